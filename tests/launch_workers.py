@@ -1,0 +1,39 @@
+"""Workers for the launcher's tests: they must live in an importable module."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_times_ten() -> int:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)  # proves the ranks really talk to each other
+    return dist.get_rank() * 10 + int(t.item()) * 0
+
+
+def sum_of_ranks() -> float:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def fail_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        raise ValueError(f"boom from rank {rank}")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the healthy ranks block here until they are stopped
+    return dist.get_rank()
+
+
+def hang_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def chatty(lines: int) -> int:
+    for i in range(lines):
+        print(f"line {i} of rank {dist.get_rank()}")
+    return os.getpid()

@@ -1,0 +1,162 @@
+"""The launcher: results, failures, timeouts, concurrency, refusals, and no leftovers."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+import launch_workers as w
+from shardlab import demo
+from shardlab.launch import LaunchError, LaunchTimeout, RankFailed, launch, resolve_backend
+
+
+def live_children() -> list[int]:
+    """PIDs of every live process whose parent is this test process (zombies excluded).
+
+    multiprocessing's resource tracker, started once and shared by every spawn, is not a
+    process of a launch and is left out.
+    """
+    me = os.getpid()
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        cmdline = (stat.parent / "cmdline").read_bytes()
+        if ppid == me and state != "Z" and b"resource_tracker" not in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    before = set(live_children())
+    yield
+    assert set(live_children()) - before == set(), "a process of the launch is still alive"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_results_come_back_in_rank_order(world):
+    assert launch(w.rank_times_ten, world) == [10 * r for r in range(world)]
+    assert launch(w.sum_of_ranks, world) == [float(sum(range(world)))] * world
+
+
+def test_backend_auto_is_gloo_without_gpus():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert launch(demo.whoami, 2) == [(0, 2, "gloo"), (1, 2, "gloo")]
+
+
+def test_an_exception_names_the_rank_and_stops_the_others():
+    with pytest.raises(RankFailed) as info:
+        launch(w.fail_on, 4, 2, timeout=60)
+    assert info.value.rank == 2
+    assert "ValueError: boom from rank 2" in info.value.rank_traceback
+    assert "rank 2 failed" in str(info.value)
+
+
+def test_a_hang_is_ended_by_the_timeout():
+    with pytest.raises(LaunchTimeout) as info:
+        launch(w.hang_on, 3, 1, timeout=8)
+    assert info.value.unfinished == [1]
+    assert "ranks [1] had not finished" in str(info.value)
+
+
+def test_two_launches_at_once_do_not_collide():
+    results = {}
+
+    def run(key, world):
+        results[key] = launch(w.sum_of_ranks, world)
+
+    threads = [threading.Thread(target=run, args=(k, n)) for k, n in (("a", 2), ("b", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"a": [1.0, 1.0], "b": [3.0, 3.0, 3.0]}
+
+
+def test_output_is_grouped_by_rank_in_order(capfd):
+    launch(w.chatty, 3, 2)
+    out = capfd.readouterr().out.splitlines()
+    assert out == [f"[rank {r}] line {i} of rank {r}" for r in range(3) for i in range(2)]
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.5, True])
+def test_bad_world_sizes_are_refused(world):
+    with pytest.raises(ValueError, match="world must be a whole number"):
+        launch(w.sum_of_ranks, world)
+
+
+def test_nccl_without_enough_gpus_is_refused_before_starting():
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
+        pytest.skip("this machine has 64 GPUs")
+    with pytest.raises(LaunchError, match="nccl"):
+        resolve_backend("nccl", 64)
+    with pytest.raises(ValueError, match="unknown backend"):
+        launch(w.sum_of_ranks, 2, backend="mpi-please")
+
+
+def test_lambdas_and_nested_functions_are_refused():
+    def nested():
+        return 1
+
+    with pytest.raises(LaunchError, match="nested function"):
+        launch(nested, 2)
+    with pytest.raises(LaunchError, match="lambda"):
+        launch(lambda: 1, 2)
+
+
+
+def test_a_function_from_an_interactive_main_is_refused(tmp_path):
+    code = textwrap.dedent("""
+        from shardlab.launch import launch, LaunchError
+        def work():
+            return 1
+        try:
+            launch(work, 2)
+        except LaunchError as e:
+            print("refused:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert "refused: 'work' was defined in a notebook cell" in done.stdout, done.stderr
+
+
+def test_a_function_from_a_script_main_runs(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        from shardlab.launch import launch
+        def work():
+            return dist.get_rank() + 100
+        if __name__ == "__main__":
+            print(launch(work, 2))
+    """))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[100, 101]", done.stderr
+
+
+def test_under_torchrun_the_same_worker_sees_the_environment(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        from shardlab.demo import whoami
+        from shardlab.launch import launch
+        results = launch(whoami, None)
+        import os
+        if os.environ["RANK"] == "0":
+            print("RESULT", results)
+    """))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--standalone", str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert "RESULT [(0, 2, 'gloo'), (1, 2, 'gloo')]" in done.stdout, done.stderr
