@@ -1,0 +1,245 @@
+"""Small deterministic models and the data they train on.
+
+Every strategy of the course is checked against one question: does it train *exactly*
+like one process on the whole batch? That needs models and data that are identical on
+every rank and in every run, so everything here is a pure function of a seed:
+
+* `build_model(name, seed)` builds the same weights on every rank (the RNG is forked, so
+  building a model never disturbs the caller's random state);
+* `get_batch(step, rank, world, ...)` cuts the same global batch of a step into `world`
+  contiguous blocks of rows, so the ranks' batches concatenated are the single-process
+  batch.
+
+The GPT is nanoGPT's shape at toy size: token and position embeddings, `blocks` of
+causal self-attention and MLP, and an output head that *is* the token embedding (tied
+weights, which a data-parallel wrapper must count and average once). The corpus is
+generated English-like text that ships with the package (`data/corpus.txt`), read as
+bytes, so the vocabulary is the 256 byte values and nothing is downloaded.
+
+The toy models exist for the awkward cases every wrapper has to survive: frozen
+parameters, a parameter the forward never uses, two modules sharing one weight, buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB_SIZE = 256  # byte-level tokens
+CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+
+
+# ----------------------------------------------------------------------------- the GPT
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = VOCAB_SIZE
+    block_size: int = 64  # longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+
+
+GPT_CONFIGS = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=4, d_model=64),
+    # big enough (about 3.2 M parameters, 12.6 MB of fp32 gradients) that the gradient
+    # all-reduce costs about as much as the compute of a small CPU step
+    "gpt-small": GPTConfig(n_layer=4, n_head=8, d_model=256),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, two uses
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size "
+                             f"{self.config.block_size}; use seq_len <= {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+# ----------------------------------------------------------------------------- toy models
+
+
+class ToyNet(nn.Module):
+    """embedding -> Linear -> ReLU -> Linear to the vocabulary; the base of the toys."""
+
+    def __init__(self, width: int = 16, hidden: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB_SIZE, width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.head = nn.Linear(width, VOCAB_SIZE)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(F.relu(self.fc1(self.emb(idx)))))
+
+
+class ToyFrozen(ToyNet):
+    """The embedding and one bias are frozen: no gradient, no optimizer state, no traffic."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb.weight.requires_grad_(False)
+        self.fc1.bias.requires_grad_(False)
+
+
+class ToyUnused(ToyNet):
+    """`unused` takes part in no forward, so its gradient stays None on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(16, 16)
+
+
+class ToyTied(ToyNet):
+    """The output head reuses the embedding matrix: one Parameter reached two ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, VOCAB_SIZE, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class ToyBuffers(ToyNet):
+    """Buffers travel with the model but are not trained: a fixed per-channel scale and a
+    step counter. A wrapper must broadcast them, and must not average or optimize them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("channel_scale", 1.0 + 0.1 * torch.randn(16))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.emb(idx) * self.channel_scale
+        return self.head(self.fc2(F.relu(self.fc1(h))))
+
+
+TOY_MODELS = {"toy-frozen": ToyFrozen, "toy-unused": ToyUnused, "toy-tied": ToyTied,
+              "toy-buffers": ToyBuffers}
+MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS)
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    """The model `name` with weights drawn from `seed`: identical on every rank and run."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; use one of {list(MODEL_NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name in GPT_CONFIGS:
+            return GPT(GPT_CONFIGS[name])
+        return TOY_MODELS[name]()
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, mean over the local batch. Computed in fp32 even for bf16 logits, so
+    the loss (and the first gradient) does not lose digits to the low-precision format."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@lru_cache(maxsize=1)
+def corpus_tokens() -> torch.Tensor:
+    """The shipped corpus as a 1-D tensor of byte values (int64)."""
+    data = CORPUS_PATH.read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def check_batch_split(batch_size: int, world: int, micro_steps: int = 1) -> None:
+    """Refuse a global batch that does not split evenly into ranks and micro-batches."""
+    if batch_size < 1 or world < 1 or micro_steps < 1:
+        raise ValueError(f"batch_size, world and grad_accum must be >= 1, got "
+                         f"{batch_size}, {world}, {micro_steps}")
+    if batch_size % (world * micro_steps):
+        raise ValueError(f"the global batch of {batch_size} rows does not split evenly "
+                         f"among {world} ranks x {micro_steps} micro-batches; use a "
+                         f"batch_size that is a multiple of {world * micro_steps}")
+
+
+def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, seed: int = 0,
+              micro: int = 0, micro_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of micro-batch `micro` of step `step`'s global batch.
+
+    The global batch of a step is `batch_size` windows of `seq_len + 1` bytes at offsets
+    drawn from (seed, step). Rank r takes the contiguous rows r*B/N ... (r+1)*B/N - 1 and
+    micro-batch m the m-th equal slice of those, so that, whatever `world` and
+    `micro_steps` are, all ranks' micro-batches together are exactly the same rows.
+    Returns (x, y) of shape (B / (N * micro_steps), seq_len), y shifted by one token.
+    """
+    check_batch_split(batch_size, world, micro_steps)
+    if not 0 <= rank < world or not 0 <= micro < micro_steps:
+        raise ValueError(f"need 0 <= rank < world and 0 <= micro < micro_steps, got "
+                         f"rank={rank}, world={world}, micro={micro}, micro_steps={micro_steps}")
+    tokens = corpus_tokens()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    offsets = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=gen)
+    rows = batch_size // (world * micro_steps)
+    first = rank * (batch_size // world) + micro * rows
+    windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets[first:first + rows]])
+    return windows[:, :-1], windows[:, 1:]
