@@ -37,3 +37,10 @@ def chatty(lines: int) -> int:
     for i in range(lines):
         print(f"line {i} of rank {dist.get_rank()}")
     return os.getpid()
+
+
+def hang_after_marking(marker_dir: str) -> int:
+    """Write a marker (so a test knows the ranks are up), then hang."""
+    open(os.path.join(marker_dir, f"up{dist.get_rank()}"), "w").close()
+    time.sleep(3600)
+    return dist.get_rank()

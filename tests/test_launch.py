@@ -1,10 +1,12 @@
 """The launcher: results, failures, timeouts, concurrency, refusals, and no leftovers."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,31 @@ def test_under_torchrun_the_same_worker_sees_the_environment(tmp_path):
                            "--standalone", str(script)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=180)
     assert "RESULT [(0, 2, 'gloo'), (1, 2, 'gloo')]" in done.stdout, done.stderr
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        import launch_workers
+        from shardlab.launch import launch
+        if __name__ == "__main__":
+            try:
+                launch(launch_workers.hang_after_marking, 2, {str(tmp_path)!r}, timeout=120)
+            except KeyboardInterrupt:
+                me = str(os.getpid())
+                alive = [p.parent.name for p in Path("/proc").glob("[0-9]*/stat")
+                         if p.read_text().rsplit(")", 1)[1].split()[1] == me
+                         and b"resource_tracker" not in (p.parent / "cmdline").read_bytes()]
+                print("interrupted; children alive:", alive)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted; children alive: []" in out
