@@ -1,0 +1,223 @@
+"""What a run really holds: bytes by category from live tensors, and a step's peak.
+
+`shardlab.memory` predicts bytes; this module counts them, so a notebook can put the two
+side by side. Two rules make the count honest:
+
+* each storage is counted once, whole: a parameter that is a view into a flat buffer
+  counts the buffer (padding included), and two tensors sharing a storage (tied weights,
+  gradients that are views of a bucket) count it once;
+* a tensor's category is decided by who holds it: a module's parameters are "params",
+  their `.grad` "grads", its buffers "buffers"; an optimizer's states (and any tensor
+  it steps that is not a module's parameter: fp32 master copies, flat shards) are
+  "optimizer". A strategy object that knows better declares its tensors itself with a
+  `state_tensors() -> {"params": [...], "grads": [...], "optimizer": [...]}` method.
+
+    >>> sizes = state_bytes(model, optimizer)   # after backward and step
+    >>> with track_peak(model, optimizer) as peak:
+    ...     loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+    >>> peak.bytes, peak.by_category
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+CATEGORIES = ("params", "grads", "optimizer", "buffers")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local) and type(t).__name__ == "DTensor":
+        with torch.no_grad():
+            return to_local()
+    return t
+
+
+def storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int] | None:
+    """(a key unique to the tensor's storage, the storage's bytes), or None for a tensor
+    that holds no memory (meta, or empty)."""
+    t = local_tensor(t)
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return None
+    return (t.device, storage.data_ptr()), nbytes
+
+
+def is_optimizer_like(obj: Any) -> bool:
+    """A torch optimizer, or a wrapper that exposes its `param_groups` and `state`."""
+    return isinstance(obj, torch.optim.Optimizer) or (
+        hasattr(obj, "param_groups") and hasattr(obj, "state"))
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+
+
+def categorized_tensors(*holders: Any) -> list[tuple[str, torch.Tensor]]:
+    """(category, tensor) for everything the holders keep, in a deterministic order.
+
+    Modules come first, so a tensor that is both a module's parameter and in an
+    optimizer's param_groups is a parameter; an object with `state_tensors()` is taken at
+    its word.
+    """
+    declared = [h for h in holders if callable(getattr(h, "state_tensors", None))]
+    modules = [h for h in holders if isinstance(h, nn.Module) and h not in declared]
+    optimizers = [h for h in holders if is_optimizer_like(h) and h not in declared
+                  and not isinstance(h, nn.Module)]
+    unknown = [h for h in holders if h not in declared + modules + optimizers]
+    if unknown:
+        raise TypeError(f"cannot count the memory of a {type(unknown[0]).__name__}: pass "
+                        f"nn.Module, torch.optim.Optimizer, or an object with a "
+                        f"state_tensors() method returning {{category: [tensors]}} with "
+                        f"categories {list(CATEGORIES)}")
+    found: list[tuple[str, torch.Tensor]] = []
+    module_params: set[int] = set()
+    for holder in declared:
+        tensors = holder.state_tensors()
+        bad = set(tensors) - set(CATEGORIES)
+        if bad:
+            raise ValueError(f"{type(holder).__name__}.state_tensors() returned unknown "
+                             f"categories {sorted(bad)}; use {list(CATEGORIES)}")
+        for category in CATEGORIES:
+            found += [(category, t) for t in tensors.get(category, []) if t is not None]
+    for module in modules:
+        for p in module.parameters():
+            module_params.add(id(p))
+            found.append(("params", p))
+            if p.grad is not None:
+                found.append(("grads", p.grad))
+        found += [("buffers", b) for b in module.buffers()]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in module_params:  # master copies, flat shards
+                    found.append(("optimizer", p))
+                    if p.grad is not None:
+                        found.append(("grads", p.grad))
+        for per_param in opt.state.values():
+            found += [("optimizer", t) for t in _tensors_in(per_param)]
+    return found
+
+
+def state_bytes(*holders: Any) -> dict[str, int]:
+    """Bytes this rank holds by category ("params", "grads", "optimizer", "buffers"),
+    each storage counted once across all holders."""
+    totals = dict.fromkeys(CATEGORIES, 0)
+    seen: set[tuple] = set()
+    for category, t in categorized_tensors(*holders):
+        key_bytes = storage_key_and_bytes(t)
+        if key_bytes is None or key_bytes[0] in seen:
+            continue
+        seen.add(key_bytes[0])
+        totals[category] += key_bytes[1]
+    return totals
+
+
+# ----------------------------------------------------------------------------- peak
+
+
+@dataclass
+class Peak:
+    """The highest memory of a tracked block; `by_category` splits it into the model
+    states (params, grads, optimizer, buffers) and what the step made on the way
+    (activations, temporaries, other)."""
+
+    bytes: int = 0
+    by_category: dict[str, int] = field(default_factory=dict)
+    device: str = "cpu"
+
+
+# MemTracker's names -> ours
+_MEMTRACKER_NAMES = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer",
+                     "Buffer": "buffers", "Activation": "activations", "Temp": "temporaries",
+                     "Other": "other"}
+
+
+def _device_of(holders: Iterable[Any]) -> torch.device:
+    for _, t in categorized_tensors(*holders):
+        return local_tensor(t).device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def track_peak(*holders: Any) -> Iterator[Peak]:
+    """Measure the peak memory of the block (one training step, say).
+
+    On CPU, PyTorch's MemTracker follows every storage created or held in the block and
+    names its role. On a GPU the CUDA caching allocator's own peak counter is the truth
+    (it is what runs out); the model states are counted from the holders at the end and
+    the rest of the peak is reported as "activations and temporaries".
+    """
+    peak = Peak()
+    device = _device_of(holders)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield peak
+        torch.cuda.synchronize(device)
+        peak.device = str(device)
+        peak.bytes = int(torch.cuda.max_memory_allocated(device))
+        states = state_bytes(*holders)
+        peak.by_category = {**states, "activations_and_temporaries":
+                            max(0, peak.bytes - sum(states.values()))}
+        return
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    modules = [h for h in holders if isinstance(h, nn.Module)]
+    module_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    # MemTracker knows modules and torch optimizers; the optimizer tensors of any other
+    # holder (fp32 master copies, flat shards) are handed to it as one more optimizer's
+    # state, and the remaining declared tensors, which it can only file as "Other", are
+    # moved back into their category afterwards.
+    optimizer_tensors, other, moved = [], [], dict.fromkeys(CATEGORIES, 0)
+    seen: set[tuple] = set()
+    for category, t in categorized_tensors(*holders):
+        key_bytes = storage_key_and_bytes(t)
+        if key_bytes is None or key_bytes[0] in seen:
+            continue
+        seen.add(key_bytes[0])
+        if category == "optimizer":
+            optimizer_tensors.append(local_tensor(t))
+        elif id(t) not in module_tensors and not (category == "grads" and modules):
+            other.append(local_tensor(t))
+            moved[category] += key_bytes[1]
+    tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
+    with tracker:
+        yield peak
+    snap = tracker.get_tracker_snapshot("peak")
+    device_snap = next(iter(snap.values()), {})
+    peak.device = str(next(iter(snap), "cpu"))
+    peak.bytes = int(device_snap.get("Total", 0))
+    by = {ours: int(device_snap.get(theirs, 0)) for theirs, ours in _MEMTRACKER_NAMES.items()}
+    for category, nbytes in moved.items():
+        nbytes = min(nbytes, by["other"])
+        by[category] += nbytes
+        by["other"] -= nbytes
+    peak.by_category = by
+
+
+class _DeclaredState(torch.optim.Optimizer):
+    """Only a carrier: MemTracker files the tensors of an optimizer's `state` as optimizer
+    states, which is what these are. It is never stepped."""
+
+    def __init__(self, tensors: list[torch.Tensor]):  # noqa: D107 - no super(): no params
+        self.state = {i: {"tensor": t} for i, t in enumerate(tensors)}
+        self.param_groups = []
