@@ -1,0 +1,175 @@
+"""Figures of the course: matplotlib for what a static page shows, ipywidgets for what a
+live kernel can explore.
+
+Every figure takes numbers (from `shardlab.memory` or a run's report) and only draws
+them, so a figure never computes something the text did not.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from shardlab import memory
+
+COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
+          "buffers": "#8172B3", "other": "#937860"}
+LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+          "buffers": "buffers", "other": "other"}
+STAGE_NAMES = ["stage 0\n(DDP)", "stage 1\n(P_os)", "stage 2\n(P_os+g)", "stage 3\n(P_os+g+p)"]
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": memory.GB, "GiB": memory.GiB}
+
+
+def _pyplot():
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def stacked_bars(ax, labels: Sequence[str], rows: Sequence[dict], unit: str = "GB",
+                 categories: Sequence[str] = ("params", "grads", "optimizer"),
+                 highlight: int | None = None, legend: bool = True, width: float = 0.7,
+                 positions: Sequence[float] | None = None, hatched: Sequence[int] = ()):
+    """One bar per row, stacked by category; `highlight` fades every other bar and the
+    bars whose index is in `hatched` are drawn hatched."""
+    div = UNITS[unit]
+    positions = list(range(len(rows))) if positions is None else list(positions)
+    bottoms = [0.0] * len(rows)
+    for category in categories:
+        heights = [row.get(category, 0) / div for row in rows]
+        bars = ax.bar(positions, heights, width, bottom=bottoms, color=COLORS[category],
+                      label=LABELS[category], edgecolor="white", linewidth=0.5)
+        for i, bar in enumerate(bars):
+            if highlight is not None:
+                bar.set_alpha(1.0 if i == highlight else 0.25)
+            if i in hatched:
+                bar.set_hatch("//")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(positions)
+    ax.set_xticklabels(labels)
+    ax.set_ylabel(f"bytes per rank ({unit})")
+    ax.spines[["top", "right"]].set_visible(False)
+    if legend:
+        ax.legend(frameon=False, loc="upper right")
+    return bottoms
+
+
+def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = "bf16-mixed",
+                optimizer: str = "adamw", unit: str = "GB", gpu_memory=None,
+                title: str | None = None):
+    """Per-rank model states of the four stages for one N; the current stage highlighted."""
+    rows = [memory.model_states(psi, world, s, precision, optimizer).as_dict()
+            for s in memory.STAGES]
+    tops = stacked_bars(ax, STAGE_NAMES, rows, unit, highlight=stage)
+    for s, top in enumerate(tops):
+        ax.text(s, top, f"{top:,.1f}", ha="center", va="bottom", fontsize=9,
+                alpha=1.0 if stage in (None, s) else 0.4)
+    ymax = rows[0]["params"] + rows[0]["grads"] + rows[0]["optimizer"]
+    if gpu_memory is not None:
+        ax.axhline(gpu_memory / UNITS[unit], color="black", linestyle="--", linewidth=1)
+        ax.text(3.45, gpu_memory / UNITS[unit], "GPU memory", ha="right", va="bottom",
+                fontsize=9)
+        ymax = max(ymax, gpu_memory)
+    ax.set_ylim(0, 1.12 * ymax / UNITS[unit])
+    if title is None:
+        title = f"N = {world}" + ("" if stage is None else
+                                  f", stage {stage}: {tops[stage]:,.1f} {unit} per rank")
+    ax.set_title(title)
+
+
+def stages_figure(psi, world: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
+                  unit: str = "GB", gpu_memory=None, title: str | None = None):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+    draw_stages(ax, psi, world, None, precision, optimizer, unit, gpu_memory, title)
+    fig.tight_layout()
+    return fig
+
+
+def stages_animation(psi, worlds: Sequence[int] = (1, 2, 4, 8, 16, 64),
+                     precision: str = "bf16-mixed", optimizer: str = "adamw",
+                     unit: str = "GB", gpu_memory=None, name: str = "", interval: int = 900):
+    """A matplotlib animation whose frames walk through stage 0..3 for each N in turn.
+
+    Exported with `.to_jshtml()` it is a self-contained HTML player (frames, slider and
+    buttons in JavaScript) that works on a static page, with no kernel.
+    """
+    plt = _pyplot()
+    from matplotlib.animation import FuncAnimation
+
+    frames = [(n, s) for n in worlds for s in memory.STAGES]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+
+    def draw(i):
+        n, s = frames[i]
+        ax.clear()
+        draw_stages(ax, psi, n, s, precision, optimizer, unit, gpu_memory,
+                    title=f"{name}{': ' if name else ''}N = {n}, stage {s}")
+        return []
+
+    fig.tight_layout()
+    anim = FuncAnimation(fig, draw, frames=len(frames), interval=interval, blit=False)
+    plt.close(fig)  # the HTML player shows the frames; no extra static copy
+    return anim
+
+
+def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
+                                 categories: Sequence[str] = ("params", "grads", "optimizer")):
+    """rows: dicts with "name" (a strategy), "predicted" and "measured" (dicts of bytes by
+    category). Draws a pair of stacked bars per strategy."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(3.5 + 1.6 * len(rows), 4), dpi=90)
+    bars, labels, positions = [], [], []
+    for i, row in enumerate(rows):
+        for j, kind in enumerate(("predicted", "measured")):
+            bars.append(row[kind])
+            labels.append(f"{row['name']}\n{kind}")
+            positions.append(i * 2.6 + j)
+    stacked_bars(ax, labels, bars, unit, categories, positions=positions, width=0.8,
+                 legend=False, hatched=range(0, len(bars), 2))
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=COLORS[c], label=LABELS[c]) for c in categories],
+              frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("Per-rank bytes: predicted (hatched) and measured", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def explorer(default_model: str = "llama-2-7b"):
+    """Controls for model, precision, optimizer, N and stage, redrawing the stage figure.
+    Needs a live kernel (ipywidgets); on a static page use `stages_animation`."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    plt = _pyplot()
+    model = W.Dropdown(options=list(memory.MODELS), value=default_model, description="model")
+    precision = W.Dropdown(options=list(memory.PRECISIONS), value="bf16-mixed",
+                           description="precision")
+    optimizer = W.Dropdown(options=list(memory.OPTIMIZERS), value="adamw",
+                           description="optimizer")
+    world = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], value=8,
+                              description="N")
+    stage = W.IntSlider(min=0, max=3, value=0, description="stage")
+    gpu = W.FloatText(value=80.0, description="GPU (GB)")
+    out = W.Output()
+
+    def redraw(*_):
+        with out:
+            out.clear_output(wait=True)
+            psi = memory.num_params(model.value)
+            fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+            draw_stages(ax, psi, world.value, stage.value, precision.value, optimizer.value,
+                        gpu_memory=gpu.value * memory.GB,
+                        title=f"{model.value} (psi = {psi / 1e9:.2f}B), N = {world.value}, "
+                              f"stage {stage.value}")
+            fig.tight_layout()
+            plt.show()
+
+    for w in (model, precision, optimizer, world, stage, gpu):
+        w.observe(redraw, names="value")
+    box = W.VBox([W.HBox([model, precision, optimizer]), W.HBox([world, stage, gpu]), out])
+    redraw()
+    display(box)
+    return box
+
+
+__all__ = ["stacked_bars", "draw_stages", "stages_figure", "stages_animation",
+           "predicted_vs_measured_figure", "explorer"]
