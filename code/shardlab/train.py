@@ -13,13 +13,28 @@ what the loop needs, so the loop stays the ordinary PyTorch one for all of them:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
-from dataclasses import dataclass, field
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
+from shardlab.measure import state_bytes, track_peak
+from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
+from shardlab.precision import MasterWeightOptimizer, Precision, get_precision
 
 
 @dataclass
@@ -68,3 +83,283 @@ def get_strategy(name: str) -> Callable[..., Wrapped]:
         raise ValueError(f"unknown strategy {name!r}; use one of {sorted(STRATEGIES)}")
     module_name, fn_name = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module_name), fn_name)
+
+
+# ----------------------------------------------------------------------------- helpers
+# shared by every strategy module: the same casting, optimizer and option checks for all
+
+
+def check_options(strategy: str, options: dict, accepted: dict[str, Any]) -> dict[str, Any]:
+    """`accepted` maps each option a strategy takes to its default; return the merged
+    options, or raise naming the accepted ones."""
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} got unknown option(s) {unknown}; it accepts "
+                         f"{sorted(accepted) if accepted else 'no options'}")
+    return {**accepted, **options}
+
+
+def cast_model(model: nn.Module, precision: Precision) -> nn.Module:
+    """Cast parameters and floating-point buffers to the precision's parameter dtype."""
+    return model.to(precision.param_dtype)
+
+
+def build_optimizer(params, precision: Precision, spec: OptimizerSpec):
+    """The optimizer over `params`: through fp32 master weights for "bf16-mixed"."""
+    params = [p for p in params if p.requires_grad]
+    if precision.master_weights:
+        return MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
+    return spec.build(params)
+
+
+def named_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of a (replicated, unsharded) model's parameters by name."""
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- "single"
+
+
+def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                options: dict) -> Wrapped:
+    """The reference: the model as it is, one process, the whole global batch."""
+    check_options("single", options, {})
+    model = cast_model(model, precision)
+    return Wrapped(model, build_optimizer(model.parameters(), precision, optimizer),
+                   full_parameters=lambda: named_full_parameters(model))
+
+
+# ----------------------------------------------------------------------------- the config
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "sgd": (torch.optim.SGD, {}),
+    "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+}
+
+
+def optimizer_spec(name: str, lr: float) -> OptimizerSpec:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {sorted(OPTIMIZERS)}")
+    cls, kwargs = OPTIMIZERS[name]
+    return OptimizerSpec(cls, {"lr": lr, **kwargs})
+
+
+@dataclass
+class TrainConfig:
+    strategy: str = "single"
+    world: int = 1
+    model: str = "gpt-tiny"
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    steps: int = 10
+    batch_size: int = 8  # the global batch of one optimizer step, split among ranks
+    seq_len: int = 32
+    grad_accum: int = 1  # micro-batches per step (each rank's rows split this many ways)
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    measure_memory: bool = True
+    record_ledger: bool = True
+    keep_params: bool = False
+
+    def validate(self) -> "TrainConfig":
+        """Raise, before any process starts, on anything that cannot run."""
+        get_strategy(self.strategy)
+        get_precision(self.precision)
+        optimizer_spec(self.optimizer, self.lr)
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
+        for name in ("world", "steps", "batch_size", "seq_len", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_batch_split(self.batch_size, self.world, self.grad_accum)
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+        return self
+
+
+@dataclass
+class RunReport:
+    """What one rank did. `losses` are global-batch losses, the same on every rank.
+
+    `state_bytes` is measured after the last step's `optimizer.step()` and before its
+    `zero_grad()`, when parameters, gradients and optimizer states all exist. `peak` is
+    the peak of the last step (tracked, which slows that step: `step_times[-1]` is not a
+    timing to use; neither is `step_times[0]`, which pays for warm-up).
+    """
+
+    rank: int
+    world: int
+    strategy: str
+    losses: list[float]
+    state_bytes: dict[str, int]
+    peak: dict[str, int]
+    ledger: list[Any]
+    step_times: list[float]
+    params: dict[str, torch.Tensor] | None = None
+    psi: int = 0  # trainable parameters of the model (each tied weight once)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _ledger_or_nothing(enabled: bool):
+    # comm.Ledger records every collective inside it on this rank
+    from shardlab import comm
+    if not enabled or not hasattr(comm, "Ledger"):  # TEMPORARY until comm.Ledger lands
+        return None
+    return comm.Ledger()
+
+
+def _progress_reporter(progress: str | None, steps: int):
+    """rank 0's progress: a live tqdm bar ("tqdm"), or lines appended to a file that the
+    launching process reads to draw the bar (ranks' own output only comes back at the
+    end), or nothing."""
+    if progress is None:
+        return lambda step, loss: None, lambda: None
+    if progress == "tqdm":
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, desc="train", unit="step")
+
+        def update(step, loss):
+            bar.set_postfix({"loss on rank 0": f"{loss:.4f}"})
+            bar.update(1)
+        return update, bar.close
+    path = Path(progress)
+
+    def write(step, loss):
+        with path.open("a") as f:
+            f.write(f"{step} {loss:.6f}\n")
+    return write, lambda: None
+
+
+def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
+    """One rank's run: build, wrap, train `config.steps` steps, report. Runs inside a
+    process group (the launcher's or torchrun's), or alone as world 1."""
+    config.validate()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    if world != config.world:
+        raise ValueError(f"config.world={config.world} but the process group has {world} "
+                         f"ranks; set world to the number of ranks launched")
+    device = rank_device()
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, config.seed).to(device)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    precision = get_precision(config.precision)
+    wrapped = get_strategy(config.strategy)(model, precision,
+                                            optimizer_spec(config.optimizer, config.lr),
+                                            dict(config.options))
+    update_progress, close_progress = _progress_reporter(progress if rank == 0 else None,
+                                                         config.steps)
+    ledger = _ledger_or_nothing(config.record_ledger)
+    local_losses, step_times = [], []
+    sizes: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    tracked = None
+    with ledger if ledger is not None else contextlib.nullcontext():
+        for step in range(config.steps):
+            last = step == config.steps - 1
+            tracker = (track_peak(wrapped.model, wrapped.optimizer)
+                       if last and config.measure_memory else contextlib.nullcontext())
+            start = time.perf_counter()
+            with tracker as tracked:
+                step_loss = torch.zeros((), device=device)
+                for micro in range(config.grad_accum):
+                    x, y = get_batch(step, rank, world, config.batch_size, config.seq_len,
+                                     config.seed, micro, config.grad_accum)
+                    x, y = x.to(device), y.to(device)
+                    sync = micro == config.grad_accum - 1
+                    with contextlib.nullcontext() if sync else wrapped.no_sync():
+                        loss = loss_fn(wrapped.model(x), y) / config.grad_accum
+                        loss.backward()
+                    step_loss += loss.detach()
+                wrapped.optimizer.step()
+                if last and config.measure_memory:
+                    sizes = state_bytes(wrapped.model, wrapped.optimizer)
+                wrapped.optimizer.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - start)
+            if ledger is not None and not last:
+                ledger.mark_step()
+            local_losses.append(step_loss)
+            update_progress(step, step_loss.item())
+        if tracked is not None:
+            peak = {"total": int(tracked.bytes), **{k: int(v) for k, v in
+                                                     tracked.by_category.items()}}
+    close_progress()
+    # The global-batch loss: the mean of the ranks' means (equal row counts). Reduced
+    # once, after the ledger has closed, so that the ledger holds the strategy's traffic
+    # and nothing else.
+    losses = torch.stack(local_losses).float()
+    if distributed and world > 1:
+        dist.all_reduce(losses)
+        losses /= world
+    params = None
+    if config.keep_params:
+        full = wrapped.full_parameters or (lambda: named_full_parameters(wrapped.model))
+        params = {k: v.detach().cpu().clone() for k, v in full().items()}
+    return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
+                     list(ledger.records) if ledger is not None else [], step_times,
+                     params, psi)
+
+
+def run(config: TrainConfig, *, backend: str = "auto", timeout: float = 600.0,
+        progress: bool = False) -> list[RunReport]:
+    """Train `config` on `config.world` ranks (one for "single", which always runs on one
+    process); return the ranks' reports in rank order."""
+    if config.strategy == "single":
+        config = replace(config, world=1)
+    config.validate()
+    try:
+        return _launch_workers(config, backend, timeout, progress)
+    except RankFailed as failed:
+        # A bad option or a model that differs across ranks is found by the strategy on
+        # the ranks, before training: hand it back as the ValueError it is.
+        last = failed.rank_traceback.strip().splitlines()[-1]
+        if last.startswith("ValueError: "):
+            raise ValueError(last[len("ValueError: "):]) from failed
+        raise
+
+
+def _launch_workers(config: TrainConfig, backend: str, timeout: float,
+                    progress: bool) -> list[RunReport]:
+    if under_torchrun():
+        return launch(train_worker, config.world, config, "tqdm" if progress else None,
+                      backend=backend, timeout=timeout)
+    if not progress:
+        return launch(train_worker, config.world, config, None, backend=backend,
+                      timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="shardlab-train-") as tmp:
+        path = Path(tmp) / "progress"
+        path.touch()
+        done = threading.Event()
+        watcher = threading.Thread(target=_draw_progress, args=(path, config.steps, done),
+                                   daemon=True)
+        watcher.start()
+        try:
+            return launch(train_worker, config.world, config, str(path), backend=backend,
+                          timeout=timeout)
+        finally:
+            done.set()
+            watcher.join()
+
+
+def _draw_progress(path: Path, steps: int, done: threading.Event) -> None:
+    from tqdm.auto import tqdm
+    with tqdm(total=steps, desc="train", unit="step") as bar:
+        seen = 0
+        while True:
+            finished = done.is_set()
+            lines = path.read_text().splitlines()
+            for line in lines[seen:]:
+                bar.set_postfix({"loss on rank 0": f"{float(line.split()[1]):.4f}"})
+                bar.update(1)
+            seen = len(lines)
+            if finished:
+                return
+            done.wait(0.2)

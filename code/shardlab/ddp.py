@@ -1,0 +1,293 @@
+"""Data parallelism from scratch: naive, then bucketed and overlapped, side by side.
+
+Every rank holds the whole model and trains on its own rows of the global batch. If all
+ranks start from the same weights and every step applies the same averaged gradient,
+they stay identical, and the run is the single-process run on the whole batch:
+
+    mean over B rows  =  (1/N) * sum over ranks of (mean over that rank's B/N rows)
+
+So a data-parallel wrapper does three things: broadcast rank 0's parameters and buffers
+at wrap time, average the gradients after every backward, and keep out of the way of the
+ordinary loop (`loss.backward(); opt.step(); opt.zero_grad()`): the averaging happens
+inside `backward()`, so by the time it returns every `.grad` holds the global average.
+
+Two versions of the averaging:
+
+* `NaiveDataParallel`: when backward has finished, one blocking all-reduce per parameter.
+  Easy to read; but the network sits idle during the backward and the CPU sits idle
+  during the all-reduces, and each of the many small messages pays the latency.
+* `BucketedDataParallel`: what PyTorch's `DistributedDataParallel` does
+  (Li et al., VLDB 2020). Gradients are grouped into flat buckets of about `bucket_mb`
+  MB, in the reverse order of registration (roughly the order backward produces them).
+  A hook on each parameter copies its gradient into its bucket slot and points `.grad`
+  at that slot; when the last gradient of a bucket arrives, the bucket's all-reduce starts
+  asynchronously while backward carries on with earlier layers. A callback queued at
+  the end of backward waits for the buckets. Fewer, larger messages, overlapped with
+  compute.
+
+Both skip frozen parameters, count a tied weight once (it is one Parameter), handle a
+parameter that takes no part in a step (it contributes zeros; its `.grad` stays None if
+no rank used it), and offer `no_sync()` for gradient accumulation. `wrap_torch_ddp` wraps
+PyTorch's own DDP: the reference the benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from shardlab.precision import Precision
+from shardlab.train import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
+                            check_options, named_full_parameters)
+
+MB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------- wrap time
+
+
+def check_same_model_across_ranks(module: nn.Module) -> None:
+    """Raise on every rank, before any training, if the ranks built different models.
+
+    Data parallelism pairs up the ranks' gradients position by position; a model that
+    differs in a name, shape, dtype or `requires_grad` would be averaged with the wrong
+    partner (or hang). Values may differ: the broadcast that follows makes them equal.
+    """
+    mine = [(name, tuple(t.shape), str(t.dtype), t.requires_grad)
+            for name, t in list(module.named_parameters()) + list(module.named_buffers())]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            diff = next((f"{a} on rank 0 vs {b} on rank {rank}"
+                         for a, b in zip(everyone[0], theirs) if a != b),
+                        f"{len(everyone[0])} tensors on rank 0 vs {len(theirs)} on rank {rank}")
+            raise ValueError(f"the model differs across ranks ({diff}); every rank must "
+                             f"build the same model (same name and config) before wrapping")
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(tensor, src=0)
+
+
+def params_to_sync(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters, each once (a tied weight is one Parameter), in registration
+    order: the same list on every rank, which is what pairs up their all-reduces."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class _DataParallel(nn.Module):
+    """What both versions share: wrap, forward, `no_sync`, and the backward hooks."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        check_same_model_across_ranks(module)
+        broadcast_from_rank0(module)
+        self.module = module
+        self.world = dist.get_world_size()
+        self.params = params_to_sync(module)
+        self.require_sync = True
+        self._finish_queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates local gradients only; the next synced backward
+        averages the sum (each micro-batch's loss is already divided by their count)."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        if not self._finish_queued:
+            # Runs once the whole backward is done, before backward() returns.
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._finish_queued = True
+        self.grad_ready(param)
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """Called from backward when `param.grad` holds this backward's gradient."""
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        self.finish_backward()
+
+    def finish_backward(self) -> None:
+        raise NotImplementedError
+
+
+def _keep_none_if_unused_everywhere(param: nn.Parameter, averaged: torch.Tensor) -> None:
+    # A parameter that had no gradient here sent zeros. If every rank did, the average is
+    # zero and the parameter stays gradient-less (so the optimizer skips it, exactly as
+    # one process would); otherwise it takes the average like any other parameter.
+    if param.grad is None and bool(averaged.any()):
+        param.grad = averaged.view_as(param).clone()
+
+
+# ----------------------------------------------------------------------------- naive
+
+
+class NaiveDataParallel(_DataParallel):
+    """After backward: for each parameter, in the same order on every rank, one blocking
+    all-reduce of its gradient divided by N."""
+
+    def finish_backward(self) -> None:
+        for p in self.params:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            grad.div_(self.world)
+            dist.all_reduce(grad)
+            _keep_none_if_unused_everywhere(p, grad)
+
+
+# ----------------------------------------------------------------------------- bucketed
+
+
+class Bucket:
+    """A flat buffer holding the gradients of some parameters back to back."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.slots: dict[nn.Parameter, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            self.slots[p] = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready: set[nn.Parameter] = set()
+        self.work = None  # the async all-reduce, once started
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def make_buckets(params: list[nn.Parameter], bucket_mb: float,
+                 first_bucket_mb: float) -> list[Bucket]:
+    """Group parameters into buckets of about `bucket_mb` MB in reverse registration
+    order, one dtype per bucket. The first bucket is smaller (`first_bucket_mb`), so the
+    first all-reduce starts early in backward, as PyTorch's DDP does."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        limit = (first_bucket_mb if not buckets else bucket_mb) * MB
+        if current and (size + p.numel() * p.element_size() > limit
+                        or p.dtype != current[0].dtype):
+            buckets.append(Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        buckets.append(Bucket(current))
+    return buckets
+
+
+class BucketedDataParallel(_DataParallel):
+    """Gradients as views of flat buckets, each bucket all-reduced asynchronously as soon
+    as its last gradient is ready, all waited for at the end of backward.
+
+    Buckets start in index order on every rank (the order collectives are matched in),
+    so a bucket that is ready early waits for the one before it to start.
+    """
+
+    def __init__(self, module: nn.Module, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
+        super().__init__(module)
+        self.buckets = make_buckets(self.params, bucket_mb, first_bucket_mb)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.next_to_start = 0
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self.bucket_of[param]
+        slot = bucket.slots[param]
+        if param.grad.data_ptr() != slot.data_ptr():
+            # First backward after zero_grad(set_to_none=True), or after no_sync: the
+            # gradient is a fresh tensor. Move it into the bucket and make .grad a view
+            # of it, so the all-reduced bucket *is* the gradient (no copy back).
+            slot.copy_(param.grad)
+            param.grad = slot
+        bucket.ready.add(param)
+        self._start_ready_buckets()
+
+    def _start_ready_buckets(self) -> None:
+        while self.next_to_start < len(self.buckets):
+            bucket = self.buckets[self.next_to_start]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        bucket.buffer.div_(self.world)
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        self.next_to_start += 1
+
+    def finish_backward(self) -> None:
+        # Parameters that took no part in this backward leave holes: fill them with
+        # zeros and start whatever has not started yet, in order.
+        for bucket in self.buckets[self.next_to_start:]:
+            for p in bucket.params:
+                if p not in bucket.ready:
+                    bucket.slots[p].zero_()
+            self._start(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for p in bucket.params:
+                if p not in bucket.ready:
+                    _keep_none_if_unused_everywhere(p, bucket.slots[p])
+            bucket.ready.clear()
+            bucket.work = None
+        self.next_to_start = 0
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                   options: dict) -> Wrapped:
+    check_options("ddp-naive", options, {})
+    model = cast_model(model, precision)
+    ddp = NaiveDataParallel(model)
+    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+
+
+def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+             options: dict) -> Wrapped:
+    opts = check_options("ddp", options, {"bucket_mb": 25.0, "first_bucket_mb": 1.0})
+    model = cast_model(model, precision)
+    ddp = BucketedDataParallel(model, float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
+    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+
+
+def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                   options: dict) -> Wrapped:
+    """PyTorch's DistributedDataParallel, with its own defaults unless told otherwise."""
+    opts = check_options("torch-ddp", options, {"bucket_mb": 25.0,
+                                                "find_unused_parameters": False,
+                                                "gradient_as_bucket_view": False})
+    model = cast_model(model, precision)
+    check_same_model_across_ranks(model)
+    device_ids = [model_device.index] if (model_device := next(model.parameters()).device
+                                          ).type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, bucket_cap_mb=float(opts["bucket_mb"]),
+        find_unused_parameters=bool(opts["find_unused_parameters"]),
+        gradient_as_bucket_view=bool(opts["gradient_as_bucket_view"]))
+    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
