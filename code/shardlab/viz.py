@@ -58,7 +58,11 @@ def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = 
     """Per-rank model states of the four stages for one N; the current stage highlighted."""
     rows = [memory.model_states(psi, world, s, precision, optimizer).as_dict()
             for s in memory.STAGES]
-    tops = stacked_bars(ax, STAGE_NAMES, rows, unit, highlight=stage)
+    tops = stacked_bars(ax, STAGE_NAMES, rows, unit, highlight=stage, legend=False)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=COLORS[c], label=LABELS[c])
+                       for c in ("optimizer", "grads", "params")],
+              frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for s, top in enumerate(tops):
         ax.text(s, top, f"{top:,.1f}", ha="center", va="bottom", fontsize=9,
                 alpha=1.0 if stage in (None, s) else 0.4)
@@ -66,7 +70,7 @@ def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = 
     if gpu_memory is not None:
         ax.axhline(gpu_memory / UNITS[unit], color="black", linestyle="--", linewidth=1)
         ax.text(3.45, gpu_memory / UNITS[unit], "GPU memory", ha="right", va="bottom",
-                fontsize=9)
+                fontsize=9, backgroundcolor="white")
         ymax = max(ymax, gpu_memory)
     ax.set_ylim(0, 1.12 * ymax / UNITS[unit])
     if title is None:
@@ -78,7 +82,7 @@ def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = 
 def stages_figure(psi, world: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
                   unit: str = "GB", gpu_memory=None, title: str | None = None):
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+    fig, ax = plt.subplots(figsize=(8.5, 4), dpi=90)
     draw_stages(ax, psi, world, None, precision, optimizer, unit, gpu_memory, title)
     fig.tight_layout()
     return fig
@@ -96,16 +100,19 @@ def stages_animation(psi, worlds: Sequence[int] = (1, 2, 4, 8, 16, 64),
     from matplotlib.animation import FuncAnimation
 
     frames = [(n, s) for n in worlds for s in memory.STAGES]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+    fig, ax = plt.subplots(figsize=(8.5, 4), dpi=80)
+    # fixed margins: every frame redraws the axes, and all frames must line up
+    fig.subplots_adjust(left=0.09, right=0.78, bottom=0.17, top=0.9)
 
     def draw(i):
         n, s = frames[i]
         ax.clear()
+        total = memory.model_states(psi, n, s, precision, optimizer).total / UNITS[unit]
         draw_stages(ax, psi, n, s, precision, optimizer, unit, gpu_memory,
-                    title=f"{name}{': ' if name else ''}N = {n}, stage {s}")
+                    title=f"{name}{': ' if name else ''}N = {n}, stage {s}: "
+                          f"{total:,.1f} {unit} per rank")
         return []
 
-    fig.tight_layout()
     anim = FuncAnimation(fig, draw, frames=len(frames), interval=interval, blit=False)
     plt.close(fig)  # the HTML player shows the frames; no extra static copy
     return anim
@@ -155,7 +162,7 @@ def explorer(default_model: str = "llama-2-7b"):
         with out:
             out.clear_output(wait=True)
             psi = memory.num_params(model.value)
-            fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+            fig, ax = plt.subplots(figsize=(8.5, 4), dpi=90)
             draw_stages(ax, psi, world.value, stage.value, precision.value, optimizer.value,
                         gpu_memory=gpu.value * memory.GB,
                         title=f"{model.value} (psi = {psi / 1e9:.2f}B), N = {world.value}, "
