@@ -1,0 +1,183 @@
+"""Workers for the ZeRO-3 and FSDP2 tests: many cases per launch, each checked step by step.
+
+Every rank also trains the single-process reference on the whole global batch (it is
+small), so one launch compares a strategy with `single` without a second launch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.precision import get_precision
+from shardlab.train import OptimizerSpec, get_strategy
+
+OPTIMIZERS = {
+    "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "sgd-momentum": OptimizerSpec(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+}
+
+
+def train_steps(wrapped, rank, world, steps, batch_size=12, seq_len=16, grad_accum=1,
+                keep_params=False):
+    """The ordinary loop; returns the global-batch loss per step (and the parameters)."""
+    losses, params = [], []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(grad_accum):
+            x, y = get_batch(step, rank, world, batch_size, seq_len, micro=micro,
+                             micro_steps=grad_accum)
+            ctx = wrapped.no_sync() if micro < grad_accum - 1 else _null()
+            with ctx:
+                loss = loss_fn(wrapped.model(x), y) / grad_accum
+                loss.backward()
+            total += loss.detach().float()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+        if keep_params:
+            params.append({k: v.float() for k, v in wrapped.full_parameters().items()})
+    return losses, params
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def parity_cases(cases: list[dict], steps: int = 10, batch_size: int = 12) -> list[dict]:
+    """For each case {model, strategy, precision, optimizer, options, grad_accum, same_as},
+    the largest differences from `single` (trained here on the whole batch) in losses and
+    full parameters over all steps; with `same_as: i`, also from case i's run."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    references, runs, results = {}, [], []
+    for case in cases:
+        precision = get_precision(case.get("precision", "fp32"))
+        spec = OPTIMIZERS[case.get("optimizer", "adamw")]
+        accum = case.get("grad_accum", 1)
+        key = (case.get("model", "gpt-tiny"), precision.name, case.get("optimizer", "adamw"),
+               accum)
+        base = build_model(key[0], seed=0)
+        if key not in references:
+            ref = get_strategy("single")(copy.deepcopy(base), precision, spec, {})
+            references[key] = train_steps(ref, 0, 1, steps, batch_size, grad_accum=accum,
+                                          keep_params=True)
+        ref_losses, ref_params = references[key]
+        wrapped = get_strategy(case["strategy"])(copy.deepcopy(base), precision, spec,
+                                                 dict(case.get("options", {})))
+        losses, params = train_steps(wrapped, rank, world, steps, batch_size,
+                                     grad_accum=accum, keep_params=True)
+        runs.append((losses, params))
+        result = {"case": case, "losses": losses, "names_match": all(set(p) == set(r) for p, r in
+                                                   zip(params, ref_params))}
+        result.update(_diffs(losses, params, ref_losses, ref_params))
+        if "same_as" in case:
+            other = _diffs(losses, params, *runs[case["same_as"]])
+            result.update({f"{k}_vs_same_as": v for k, v in other.items()})
+        results.append(result)
+    return results
+
+
+def _diffs(losses, params, ref_losses, ref_params) -> dict:
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_diff": max(max((p[k] - r[k]).abs().max().item() for k in r)
+                              for p, r in zip(params, ref_params))}
+
+
+def bytes_cases(cases: list[dict], steps: int = 3) -> list[dict]:
+    """For each case: the ledger's logical bytes per step and op, the bytes this rank holds
+    by category after the last step, the peak of one step, and the sizes that predict
+    them (Ψ with and without padding, the largest unit)."""
+    from shardlab.comm import Ledger
+    from shardlab.measure import state_bytes, track_peak
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for case in cases:
+        precision = get_precision(case.get("precision", "fp32"))
+        spec = OPTIMIZERS[case.get("optimizer", "adamw")]
+        model = build_model(case.get("model", "gpt-tiny"), seed=0)
+        psi = sum(p.numel() for p in model.parameters())
+        wrapped = get_strategy(case["strategy"])(model, precision, spec,
+                                                 dict(case.get("options", {})))
+        units = wrapped.sharding.units
+        padded_psi = sum(u.world * u.shard_numel for u in units)
+        per_step = []
+        with Ledger() as ledger:
+            for step in range(steps):
+                x, y = get_batch(step, rank, world, 12, 16)
+                loss_fn(wrapped.model(x), y).backward()
+                wrapped.optimizer.step()
+                if step == steps - 1:  # what a rank holds at its fullest between steps
+                    held = state_bytes(wrapped.model, wrapped.optimizer, wrapped.sharding)
+                wrapped.optimizer.zero_grad()
+                ledger.mark_step()
+        for step in range(steps):
+            by_op: dict[str, int] = {}
+            for r in ledger.records:
+                if r.step == step:
+                    by_op[r.op] = by_op.get(r.op, 0) + r.logical_bytes
+            per_step.append(by_op)
+        x, y = get_batch(steps, rank, world, 12, 16)
+        with track_peak(wrapped.model, wrapped.optimizer, wrapped.sharding) as peak:
+            loss_fn(wrapped.model(x), y).backward()
+            wrapped.optimizer.step()
+            wrapped.optimizer.zero_grad()
+        n_opt_params = sum(len(g["params"]) for g in wrapped.optimizer.param_groups)
+        out.append({
+            "case": case, "psi": psi, "padded_psi": padded_psi, "per_step": per_step,
+            "held": held, "peak": peak.bytes, "peak_by": peak.by_category,
+            "largest_unit": max(u.world * u.shard_numel for u in units),
+            "param_bytes": units[0].param_dtype.itemsize,
+            "reduce_bytes": units[0].reduce_dtype.itemsize,
+            "n_opt_params": n_opt_params,
+        })
+    return out
+
+
+def error_cases(cases: list[str]) -> dict[str, str]:
+    """Run each named misuse; return the message of the error it raised (or "no error")."""
+    from shardlab.fsdp import fully_shard
+
+    out = {}
+    for name in cases:
+        model = build_model("gpt-tiny", seed=0)
+        precision, spec = get_precision("fp32"), OPTIMIZERS["adamw"]
+        try:
+            if name == "zero3-policy-misses-a-parameter":
+                get_strategy("zero3")(model, precision, spec,
+                                      {"wrap": lambda m: m in set(model.blocks)})
+            elif name == "zero3-differs-across-ranks":
+                get_strategy("zero3")(build_model("gpt-tiny", seed=dist.get_rank()),
+                                      precision, spec, {})
+            elif name == "fsdp-twice":
+                fully_shard(model.blocks[0])
+                fully_shard(model.blocks[0])
+            elif name == "fsdp-child-after-parent":
+                fully_shard(model)
+                fully_shard(model.blocks[0])
+            elif name == "fsdp-differs-across-ranks":
+                fully_shard(build_model("gpt-tiny", seed=dist.get_rank()).blocks[1])
+            else:
+                raise KeyError(name)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def suite(parity: list[dict] = (), sizes: list[dict] = (), errors: list[str] = (),
+          steps: int = 10) -> dict:
+    """Everything one test file checks on one world size, in one launch."""
+    return {"parity": parity_cases(list(parity), steps) if parity else [],
+            "bytes": bytes_cases(list(sizes)) if sizes else [],
+            "errors": error_cases(list(errors)) if errors else {}}
