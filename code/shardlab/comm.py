@@ -1,14 +1,53 @@
-"""Collectives: the one shim over torch's renamed functions (more to come in this module).
+"""Collectives built from send/recv, a ledger of every byte, and the volumes of ZeRO.
 
-torch 2.13 renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to
-`all_gather_single` / `reduce_scatter_single` and the old names warn. Every module of the
-course calls these two wrappers instead, so the rename is handled in one place.
+Three things live here, because they are one idea: *what a collective costs*.
+
+1. **Ring collectives** (`ring_reduce_scatter`, `ring_all_gather`, `ring_all_reduce`,
+   `ring_broadcast`), written with nothing but point-to-point `isend`/`irecv`, so that
+   every byte a rank sends is visible in twenty lines of Python. The tensor is cut into
+   N chunks (N = `world`, padded with zeros when its length does not divide by N); in each
+   of N-1 rounds every rank sends one chunk to its right neighbour and receives one from
+   its left. A rank therefore sends (N-1)/N of the tensor per reduce-scatter or
+   all-gather, and an all-reduce (= reduce-scatter then all-gather) sends 2(N-1)/N of it.
+
+2. **The ledger.** `with Ledger() as ledger:` records every collective this rank runs
+   inside it: the ring collectives above (they record themselves, once, without their
+   inner send/recv) and every native `torch.distributed` collective, whoever calls it:
+   our code, PyTorch's DDP (its C++ reducer), `ZeroRedundancyOptimizer`, `fully_shard`.
+   Native collectives are seen by a `TorchDispatchMode` that watches the `c10d` operators,
+   which is where every caller ends up. The mode is thread-local state that autograd
+   carries into backward, so collectives launched from backward hooks are recorded too.
+
+   For a native collective, `sent_bytes`/`received_bytes` are what the *ring algorithm*
+   would move for it on this rank, not what the backend did: the backend does not tell.
+   That is the quantity of the ZeRO paper's analysis. gloo, for one, builds its
+   reduce-scatter on an all-reduce, so it really moves twice what the ledger reports for
+   it; the first chapter measures that against `ring_reduce_scatter`.
+
+3. **The volumes** of the ZeRO paper as functions (`volume_per_rank`) and the α-β cost
+   model of a ring (`predict_seconds`, `fit_alpha_beta`).
+
+The module also holds the one shim for torch's renamed collectives: torch 2.13 renamed
+`all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single` /
+`reduce_scatter_single` and the old names warn. Every module of the course calls
+`all_gather_into` / `reduce_scatter_into` instead, so the rename is handled here only.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable
+
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ----------------------------------------------------------------------------- the shim
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
@@ -24,3 +63,514 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op=dist.Reduc
                         group=None, async_op=False):
     """Reduce `input` (world * len(output) elements) across ranks; keep this rank's chunk."""
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective as one rank saw it.
+
+    logical_bytes: elements x element size of the full (unsharded) tensor the collective
+    is about. sent_bytes / received_bytes: what this rank sends and receives (for native
+    collectives: what the ring algorithm would). seconds: from the call to completion
+    (for native send/recv, whose backend gives no completion signal, to the launch).
+    rounds / round_bytes: sequential point-to-point rounds of the ring, and the bytes of
+    one round: the α-β model's `steps` and `bytes per step`.
+    """
+
+    op: str
+    dtype: torch.dtype
+    numel: int
+    logical_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    seconds: float
+    step: int
+    world: int = 1
+    rounds: int = 0
+    round_bytes: int = 0
+
+
+def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
+                 src: int = 0) -> tuple[int, int, int, int]:
+    """(sent, received, rounds, round_bytes) of one rank for a ring collective.
+
+    `numel` is the full tensor's length. Reduce-scatter and all-gather: N-1 rounds of one
+    chunk of ceil(numel/N) elements each way. All-reduce: both. Broadcast: the tensor is
+    cut into N pieces that flow down the chain src -> src+1 -> ... (N+N-2 rounds); every
+    rank but the last forwards the whole tensor, every rank but src receives it.
+    """
+    op = op.removeprefix("ring_")
+    if world == 1 or numel == 0:
+        return 0, 0, 0, 0
+    chunk = math.ceil(numel / world) * elem_size
+    if op in ("reduce_scatter", "all_gather"):
+        return (world - 1) * chunk, (world - 1) * chunk, world - 1, chunk
+    if op == "all_reduce":
+        return 2 * (world - 1) * chunk, 2 * (world - 1) * chunk, 2 * (world - 1), chunk
+    if op == "broadcast":
+        pieces = min(world, numel)
+        position = (rank - src) % world
+        full = numel * elem_size
+        return (full if position < world - 1 else 0, full if position > 0 else 0,
+                pieces + world - 2, math.ceil(numel / pieces) * elem_size)
+    if op in ("send", "recv"):
+        full = numel * elem_size
+        return (full, 0, 1, full) if op == "send" else (0, full, 1, full)
+    raise ValueError(f"unknown collective {op!r}; use one of reduce_scatter, all_gather, "
+                     f"all_reduce, broadcast, send, recv")
+
+
+_ACTIVE: list["Ledger"] = []   # ledgers open in this process, innermost last
+_local = threading.local()     # .depth > 0 while a ring collective runs on this thread
+
+
+def _emit(op, dtype, numel, logical_bytes, sent, received, seconds, world, rounds,
+          round_bytes) -> list[CollectiveRecord]:
+    records = []
+    for ledger in list(_ACTIVE):
+        record = CollectiveRecord(op, dtype, numel, logical_bytes, sent, received, seconds,
+                                  ledger.step, world, rounds, round_bytes)
+        ledger.records.append(record)
+        records.append(record)
+    return records
+
+
+@contextmanager
+def _recorded(op: str, tensor: torch.Tensor, numel: int, world: int, rank: int, src: int = 0):
+    """Record the ring collective run inside, once: inner rings and send/recv are muted."""
+    outer = getattr(_local, "depth", 0)
+    _local.depth = outer + 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _local.depth = outer
+    if outer == 0 and _ACTIVE:
+        size = tensor.element_size()
+        sent, received, rounds, round_bytes = ring_traffic(op, numel, world, size, rank, src)
+        _emit(op, tensor.dtype, numel, numel * size, sent, received,
+              time.perf_counter() - start, world, rounds, round_bytes)
+
+
+# ----------------------------------------------------------------------------- the rings
+
+
+def _reduce_name(op) -> str:
+    if op in ("sum", dist.ReduceOp.SUM):
+        return "sum"
+    if op in ("avg", "mean", dist.ReduceOp.AVG):
+        return "avg"
+    raise ValueError(f"unsupported reduce op {op!r}; use 'sum' or 'avg' "
+                     f"(or dist.ReduceOp.SUM / dist.ReduceOp.AVG)")
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+           torch.int32, torch.uint8, torch.int8, torch.int16, torch.bool]
+_MAX_DIMS = 8
+
+
+def check_same_tensor(name: str, tensor: torch.Tensor, group=None) -> None:
+    """Raise on every rank if the ranks did not pass tensors of one shape and dtype.
+
+    A ring with mismatched chunks would hang (a rank waits for bytes that never come) or
+    silently mix garbage; a tiny all-gather of (dtype, shape) first turns that into an
+    error that names the ranks and their shapes.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"{name}: tensors of more than {_MAX_DIMS} dims are not supported; "
+                         f"flatten it first")
+    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    meta = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64, device=tensor.device)
+    meta[0], meta[1] = code, tensor.dim()
+    meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    everyone = [torch.empty_like(meta) for _ in range(world)]
+    outer = getattr(_local, "depth", 0)
+    _local.depth = outer + 1  # the check is not part of the collective's traffic
+    try:
+        dist.all_gather(everyone, meta, group=group)
+    finally:
+        _local.depth = outer
+    if all(torch.equal(m, meta) for m in everyone):
+        return
+
+    def describe(m: torch.Tensor) -> str:
+        code, dims = int(m[0]), int(m[1])
+        dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "?"
+        return f"{dtype} {tuple(int(d) for d in m[2:2 + dims])}"
+
+    table = ", ".join(f"rank {r}: {describe(m)}" for r, m in enumerate(everyone))
+    raise ValueError(f"{name}: every rank must pass a tensor of the same shape and dtype, "
+                     f"but got {table}")
+
+
+def _ring_ranks(group) -> tuple[int, int, int, int]:
+    """(world, rank, right, left), the neighbours as global ranks for send/recv."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return world, rank, to_global((rank + 1) % world), to_global((rank - 1) % world)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
+    """One round of the ring: send to the right neighbour while receiving from the left."""
+    requests = [dist.isend(send, right, group=group), dist.irecv(recv, left, group=group)]
+    for request in requests:
+        request.wait()
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None,
+                        check: bool = True) -> torch.Tensor:
+    """Sum (or average) `tensor` over the ranks; return this rank's chunk of the result.
+
+    The flattened tensor (L elements) is padded to N chunks of ceil(L/N); rank r gets chunk
+    r, 1-D, zeros where it covers padding. In round s rank r sends its partial sum of chunk
+    (r-s-1) mod N to the right and adds the partial sum of chunk (r-s-2) mod N arriving from
+    the left: after N-1 rounds the chunk it last received, r, holds all N contributions.
+    """
+    reduce = _reduce_name(op)
+    world, rank, right, left = _ring_ranks(group)
+    if check:
+        check_same_tensor("ring_reduce_scatter", tensor, group)
+    numel = tensor.numel()
+    chunk = math.ceil(numel / world)
+    with _recorded("ring_reduce_scatter", tensor, numel, world, rank):
+        padded = torch.zeros(world * chunk, dtype=tensor.dtype, device=tensor.device)
+        padded[:numel].copy_(tensor.reshape(-1))
+        chunks = padded.view(world, chunk)
+        incoming = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+        for s in range(world - 1 if chunk else 0):
+            _exchange(chunks[(rank - s - 1) % world], incoming, right, left, group)
+            chunks[(rank - s - 2) % world].add_(incoming)
+        mine = chunks[rank].clone()
+        if reduce == "avg":
+            mine.div_(world)
+    return mine
+
+
+def ring_all_gather(chunk: torch.Tensor, numel: int | None = None, group=None,
+                    check: bool = True) -> torch.Tensor:
+    """Concatenate every rank's `chunk` (same shape on all ranks) in rank order, 1-D.
+
+    `numel` trims the padding that `ring_reduce_scatter` added. In round s rank r forwards
+    chunk (r-s) mod N, the one it received last, and receives chunk (r-s-1) mod N.
+    """
+    world, rank, right, left = _ring_ranks(group)
+    if check:
+        check_same_tensor("ring_all_gather", chunk, group)
+    size = chunk.numel()
+    total = world * size if numel is None else numel
+    if not 0 <= total <= world * size:
+        raise ValueError(f"ring_all_gather: numel={numel} must be between 0 and world x "
+                         f"chunk = {world * size}")
+    with _recorded("ring_all_gather", chunk, world * size, world, rank):
+        gathered = torch.empty(world * size, dtype=chunk.dtype, device=chunk.device)
+        pieces = gathered.view(world, size)
+        pieces[rank].copy_(chunk.reshape(-1))
+        for s in range(world - 1 if size else 0):
+            _exchange(pieces[(rank - s) % world], pieces[(rank - s - 1) % world],
+                      right, left, group)
+    return gathered[:total]
+
+
+def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None,
+                    check: bool = True) -> torch.Tensor:
+    """Sum (or average) `tensor` over the ranks, in place: reduce-scatter, then all-gather.
+
+    Each half moves (N-1)/N of the tensor per rank, so the all-reduce moves 2(N-1)/N:
+    the same bytes as the two collectives ZeRO runs instead, which is why sharding the
+    gradient costs no extra communication.
+    """
+    _reduce_name(op)
+    world, rank, _, _ = _ring_ranks(group)
+    if check:
+        check_same_tensor("ring_all_reduce", tensor, group)
+    with _recorded("ring_all_reduce", tensor, tensor.numel(), world, rank):
+        mine = ring_reduce_scatter(tensor, op, group, check=False)
+        full = ring_all_gather(mine, tensor.numel(), group, check=False)
+        tensor.copy_(full.view_as(tensor))
+    return tensor
+
+
+def ring_broadcast(tensor: torch.Tensor, src: int = 0, group=None,
+                   check: bool = True) -> torch.Tensor:
+    """Copy `tensor` of rank `src` into every rank's `tensor`, in place.
+
+    A pipelined chain around the ring: the tensor is cut into N pieces and each rank
+    forwards piece k to its right while it receives piece k+1, so the time is N+N-2
+    rounds of one piece instead of N-1 rounds of the whole tensor.
+    """
+    world, rank, right, left = _ring_ranks(group)
+    if not 0 <= src < world:
+        raise ValueError(f"ring_broadcast: src={src} is not a rank of a group of {world}")
+    if check:
+        check_same_tensor("ring_broadcast", tensor, group)
+    numel = tensor.numel()
+    with _recorded("ring_broadcast", tensor, numel, world, rank, src):
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        position = (rank - src) % world
+        sends = []
+        for piece in torch.tensor_split(flat, min(world, numel)) if numel else []:
+            if position > 0:
+                dist.recv(piece, left, group=group)
+            if position < world - 1:
+                sends.append(dist.isend(piece, right, group=group))
+        for request in sends:
+            request.wait()
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+# ----------------------------------------------------------------------------- the ledger
+
+c10d = torch.ops.c10d
+functional = torch.ops._c10d_functional
+
+
+def _numel(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel()
+    return sum(_numel(t) for t in tensors)
+
+
+def _first(tensors) -> torch.Tensor:
+    return tensors if isinstance(tensors, torch.Tensor) else _first(tensors[0])
+
+
+def _group(obj):
+    """The ProcessGroup behind a dispatcher argument (a boxed group or a group name)."""
+    if isinstance(obj, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(obj)
+    return torch._C._distributed_c10d._resolve_process_group(obj)
+
+
+# c10d operator -> (name, tensors that give the dtype, logical numel, group, src)
+_NATIVE = {
+    c10d.allreduce_: lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
+    c10d.allreduce_coalesced_: lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
+    c10d._allgather_base_: lambda a: ("all_gather", a[1], a[0].numel(), a[2], 0),
+    c10d.allgather_: lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    c10d.allgather_coalesced_: lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    c10d.allgather_into_tensor_coalesced_:
+        lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    c10d._reduce_scatter_base_: lambda a: ("reduce_scatter", a[1], a[1].numel(), a[2], 0),
+    c10d.reduce_scatter_: lambda a: ("reduce_scatter", a[0], _numel(a[1]), a[2], 0),
+    c10d.reduce_scatter_tensor_coalesced_:
+        lambda a: ("reduce_scatter", a[1], _numel(a[1]), a[2], 0),
+    c10d.broadcast_: lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
+    c10d.send: lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
+    c10d.recv_: lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
+    c10d.recv_any_source_: lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
+    functional.all_reduce: lambda a: ("all_reduce", a[0], a[0].numel(), a[2], 0),
+    functional.all_reduce_coalesced: lambda a: ("all_reduce", a[0], _numel(a[0]), a[2], 0),
+    functional.all_gather_into_tensor:
+        lambda a: ("all_gather", a[0], a[0].numel() * a[1], a[2], 0),
+    functional.all_gather_into_tensor_coalesced:
+        lambda a: ("all_gather", a[0], _numel(a[0]) * a[1], a[2], 0),
+    functional.reduce_scatter_tensor:
+        lambda a: ("reduce_scatter", a[0], a[0].numel(), a[3], 0),
+    functional.reduce_scatter_tensor_coalesced:
+        lambda a: ("reduce_scatter", a[0], _numel(a[0]), a[3], 0),
+    functional.broadcast: lambda a: ("broadcast", a[0], a[0].numel(), a[2], a[1]),
+}
+
+
+class _CollectiveSpy(TorchDispatchMode):
+    """Sees every c10d operator dispatched on this thread (and in its backward)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        describe = _NATIVE.get(func._overloadpacket)
+        if describe is None or getattr(_local, "depth", 0) or not _ACTIVE:
+            return func(*args, **kwargs)
+        name, tensors, numel, group_arg, src = describe(args)
+        group = _group(group_arg)
+        world, rank = group.size(), group.rank()
+        size = _first(tensors).element_size()
+        sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank,
+                                                           src)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received,
+                        time.perf_counter() - start, world, rounds, round_bytes)
+        work = out[-1] if isinstance(out, tuple) else out
+        if isinstance(work, torch.ScriptObject):
+            try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
+                future = dist.Work.unbox(work).get_future()
+            except RuntimeError:  # gloo's send/recv give no future: keep the launch time
+                return out
+
+            def finished(_, records=records):
+                for record in records:
+                    record.seconds = time.perf_counter() - start
+
+            pending = future.then(finished)
+            for ledger in _ACTIVE:
+                ledger._pending.append(pending)
+        return out
+
+
+class Ledger:
+    """Record every collective this rank runs inside `with Ledger() as ledger:`.
+
+    `ledger.mark_step()` starts the next step; `ledger.records` is the list of
+    `CollectiveRecord`s; `totals()`, `per_op()` and `per_step()` add them up and
+    `table()` prints them.
+    """
+
+    def __init__(self):
+        self.records: list[CollectiveRecord] = []
+        self.step = 0
+        self._pending: list[torch.futures.Future] = []
+        self._spy: _CollectiveSpy | None = None
+
+    def __enter__(self) -> "Ledger":
+        self._spy = _CollectiveSpy()
+        self._spy.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _ACTIVE.remove(self)
+        self._spy.__exit__(exc_type, exc, tb)
+        if exc_type is None:  # fill in the times of collectives still in flight
+            for pending in self._pending:
+                pending.wait()
+        self._pending.clear()
+
+    def mark_step(self) -> None:
+        self.step += 1
+
+    def totals(self) -> dict:
+        return totals(self.records)
+
+    def per_op(self) -> dict[str, dict]:
+        return per_op(self.records)
+
+    def per_step(self) -> list[dict[str, dict]]:
+        return per_step(self.records)
+
+    def table(self, seconds: bool = False) -> str:
+        return format_table(self.records, seconds=seconds)
+
+
+_SUMMED = ("logical_bytes", "sent_bytes", "received_bytes", "seconds")
+
+
+def totals(records: Iterable[CollectiveRecord]) -> dict:
+    """calls, logical_bytes, sent_bytes, received_bytes, seconds, summed over records."""
+    out = {"calls": 0, **{key: 0 for key in _SUMMED}}
+    for record in records:
+        out["calls"] += 1
+        for key in _SUMMED:
+            out[key] += getattr(record, key)
+    return out
+
+
+def per_op(records: Iterable[CollectiveRecord]) -> dict[str, dict]:
+    """{op: totals} in the order the ops first ran."""
+    groups: dict[str, list] = defaultdict(list)
+    for record in records:
+        groups[record.op].append(record)
+    return {op: totals(rs) for op, rs in groups.items()}
+
+
+def per_step(records: Iterable[CollectiveRecord]) -> list[dict[str, dict]]:
+    """[{op: totals} for each step], step 0 first (steps with no collective are empty)."""
+    records = list(records)
+    steps = max((r.step for r in records), default=-1) + 1
+    return [per_op(r for r in records if r.step == s) for s in range(steps)]
+
+
+def format_table(records: Iterable[CollectiveRecord], seconds: bool = False) -> str:
+    """A per-step, per-op table of bytes (and times, which vary from run to run)."""
+    header = f"{'step':>4}  {'op':<22}{'calls':>6}{'logical B':>12}{'sent B':>12}{'recv B':>12}"
+    header += f"{'ms':>10}" if seconds else ""
+    lines = [header]
+    for step, ops in enumerate(per_step(records)):
+        for op, t in ops.items():
+            line = (f"{step:>4}  {op:<22}{t['calls']:>6}{t['logical_bytes']:>12}"
+                    f"{t['sent_bytes']:>12}{t['received_bytes']:>12}")
+            lines.append(line + (f"{1e3 * t['seconds']:>10.2f}" if seconds else ""))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- volumes
+
+# Multiples of psi (N-1)/N bytes that each strategy sends per rank and step (ring).
+VOLUME_FACTORS = {
+    "single": 0,
+    "ddp": 2, "ddp-naive": 2, "torch-ddp": 2,    # all-reduce the gradients: RS + AG
+    "zero1": 2, "zero2": 2,                      # reduce-scatter grads, all-gather params
+    "torch-zero1": 3,                            # DDP's all-reduce, then N broadcasts
+    "zero3": 3, "fsdp2": 3, "torch-fsdp2": 3,    # AG forward, AG backward, RS gradients
+}
+
+# Which collectives each strategy runs per step, for the tables of the text.
+STRATEGY_COLLECTIVES = {
+    "ddp": "all-reduce of the gradients (2Ψ)",
+    "zero1": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
+    "zero2": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
+    "zero3": "all-gather of the parameters in forward (Ψ) and in backward (Ψ) "
+             "+ reduce-scatter of the gradients (Ψ)",
+}
+
+
+def volume_per_rank(strategy: str, psi: int, world: int, bytes_per_elem: int = 1) -> float:
+    """Bytes one rank sends per training step in the ZeRO paper's analysis, on a ring.
+
+    DDP all-reduces Ψ gradients: 2Ψ(N-1)/N. ZeRO-1 and ZeRO-2 reduce-scatter the gradients
+    and all-gather the updated parameters: the same 2Ψ(N-1)/N. ZeRO-3 / FSDP all-gather
+    the parameters twice (forward and backward) and reduce-scatter the gradients:
+    3Ψ(N-1)/N. Multiply by `bytes_per_elem` for bytes (2 for bf16, 4 for fp32).
+    """
+    if strategy not in VOLUME_FACTORS:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(VOLUME_FACTORS)}")
+    if world < 1 or psi < 0:
+        raise ValueError(f"need world >= 1 and psi >= 0, got world={world}, psi={psi}")
+    return VOLUME_FACTORS[strategy] * psi * bytes_per_elem * (world - 1) / world
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def predict_seconds(op: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
+    """α-β time of a ring collective over a tensor of `nbytes`:
+
+        time = rounds x (α + bytes per round / β)
+
+    α: the fixed cost of one round (latency, s); β: bandwidth (bytes/s).
+    """
+    _, _, rounds, round_bytes = ring_traffic(op, nbytes, world, 1)
+    return rounds * (alpha + round_bytes / beta)
+
+
+def fit_alpha_beta(records: Iterable[CollectiveRecord]) -> tuple[float, float]:
+    """Least-squares (α, β) of `seconds ≈ α·rounds + rounds·round_bytes/β`.
+
+    Rows are weighted by 1/seconds, so a 10 µs and a 10 ms collective count alike (the
+    error that matters is relative).
+    """
+    rows = [r for r in records if r.rounds > 0 and r.seconds > 0]
+    if len(rows) < 2:
+        raise ValueError("fit_alpha_beta needs at least two timed ring collectives "
+                         "(world >= 2) of different sizes")
+    x = torch.tensor([[r.rounds, r.rounds * r.round_bytes] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r.seconds for r in rows], dtype=torch.float64)
+    w = 1.0 / y
+    solution = torch.linalg.lstsq(x * w[:, None], (y * w)[:, None]).solution.flatten()
+    alpha, inverse_beta = float(solution[0]), float(solution[1])
+    return max(alpha, 0.0), (1.0 / inverse_beta if inverse_beta > 0 else math.inf)
+
+
+__all__ = [
+    "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
+    "ring_all_reduce", "ring_broadcast", "check_same_tensor", "CollectiveRecord", "Ledger",
+    "ring_traffic", "totals", "per_op", "per_step", "format_table", "VOLUME_FACTORS",
+    "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds", "fit_alpha_beta",
+]
