@@ -175,9 +175,57 @@ def error_cases(cases: list[str]) -> dict[str, str]:
     return out
 
 
+def helper_checks() -> dict:
+    """fully_shard's view of the model, and the helpers between sharded and full."""
+    from shardlab.fsdp import fully_shard, gather_full_parameters, load_full_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    original = build_model("gpt-tiny", seed=0)
+    full_shapes = {k: tuple(v.shape) for k, v in original.state_dict().items()}
+    model = copy.deepcopy(original)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    out = {"class": type(model).__name__, "block_class": type(model.blocks[0]).__name__,
+           "state_dict_names_kept": set(model.state_dict()) == set(full_shapes),
+           "shard_shapes_ok": all(
+               tuple(p.shape) == (-(-full_shapes[n][0] // world), *full_shapes[n][1:])
+               for n, p in model.named_parameters())}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = get_batch(step, rank, world, 12, 16)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = gather_full_parameters(model)
+    on_rank0 = gather_full_parameters(model, rank0_only=True)
+    out["rank0_only"] = (all(torch.equal(on_rank0[k], trained[k]) for k in trained)
+                         if rank == 0 else on_rank0 == {})
+    # a fresh sharded model loads the trained full parameters and computes the same
+    fresh = copy.deepcopy(original)
+    for block in fresh.blocks:
+        fully_shard(block)
+    fully_shard(fresh)
+    fresh(get_batch(0, rank, world, 12, 16)[0])  # one forward builds its state
+    load_full_state_dict(fresh, trained)
+    reloaded = gather_full_parameters(fresh)
+    out["round_trip"] = set(reloaded) == set(trained) and all(
+        torch.equal(reloaded[k], trained[k]) for k in trained)
+    x, _ = get_batch(5, rank, world, 12, 16)
+    with torch.no_grad():
+        out["same_output"] = torch.equal(model(x), fresh(x))
+    try:
+        load_full_state_dict(fresh, {"nonsense.weight": torch.zeros(1)})
+        out["bad_state_dict"] = "no error"
+    except ValueError as exc:
+        out["bad_state_dict"] = str(exc)
+    return out
+
+
 def suite(parity: list[dict] = (), sizes: list[dict] = (), errors: list[str] = (),
-          steps: int = 10) -> dict:
+          helpers: bool = False, steps: int = 10) -> dict:
     """Everything one test file checks on one world size, in one launch."""
     return {"parity": parity_cases(list(parity), steps) if parity else [],
             "bytes": bytes_cases(list(sizes)) if sizes else [],
-            "errors": error_cases(list(errors)) if errors else {}}
+            "errors": error_cases(list(errors)) if errors else {},
+            "helpers": helper_checks() if helpers else {}}
