@@ -187,3 +187,23 @@ def test_command_line_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         memory.main(["--model", "llama-2-7b", "--gpus", "0"])
     assert "world" in capsys.readouterr().err
+
+
+def test_stage_figures_draw_the_formulas():
+    import matplotlib
+    matplotlib.use("Agg")
+    from shardlab import viz
+
+    psi = memory.num_params("llama-2-7b")
+    anim = viz.stages_animation(psi, worlds=(1, 8), gpu_memory=80 * GB)
+    html = anim.to_jshtml()  # the self-contained player the static page shows
+    assert html.count("data:image/png") == 8  # 4 stages x 2 values of N
+    assert "anim_step_forward" in html
+    fig = viz.stages_figure(psi, 8)
+    ax = fig.axes[0]
+    tops = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
+    assert [tops[s] for s in range(4)] == pytest.approx(
+        [model_states(psi, 8, s).total / GB for s in range(4)])

@@ -142,9 +142,9 @@ def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
 
 def explorer(default_model: str = "llama-2-7b"):
     """Controls for model, precision, optimizer, N and stage, redrawing the stage figure.
-    Needs a live kernel (ipywidgets); on a static page use `stages_animation`."""
+    Needs a live kernel (ipywidgets); on a static page use `stages_animation`. Returns
+    the widget: make it a cell's last expression to show it."""
     import ipywidgets as W
-    from IPython.display import display
 
     plt = _pyplot()
     model = W.Dropdown(options=list(memory.MODELS), value=default_model, description="model")
@@ -174,7 +174,6 @@ def explorer(default_model: str = "llama-2-7b"):
         w.observe(redraw, names="value")
     box = W.VBox([W.HBox([model, precision, optimizer]), W.HBox([world, stage, gpu]), out])
     redraw()
-    display(box)
     return box
 
 
