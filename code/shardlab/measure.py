@@ -72,20 +72,23 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 def categorized_tensors(*holders: Any) -> list[tuple[str, torch.Tensor]]:
     """(category, tensor) for everything the holders keep, in a deterministic order.
 
-    Modules come first, so a tensor that is both a module's parameter and in an
-    optimizer's param_groups is a parameter; an object with `state_tensors()` is taken at
-    its word.
+    An object with `state_tensors()` is taken at its word and comes first; then modules,
+    so that a tensor that is both a module's parameter and in an optimizer's param_groups
+    is a parameter; then optimizers.
     """
-    declared = [h for h in holders if callable(getattr(h, "state_tensors", None))]
-    modules = [h for h in holders if isinstance(h, nn.Module) and h not in declared]
-    optimizers = [h for h in holders if is_optimizer_like(h) and h not in declared
-                  and not isinstance(h, nn.Module)]
-    unknown = [h for h in holders if h not in declared + modules + optimizers]
-    if unknown:
-        raise TypeError(f"cannot count the memory of a {type(unknown[0]).__name__}: pass "
-                        f"nn.Module, torch.optim.Optimizer, or an object with a "
-                        f"state_tensors() method returning {{category: [tensors]}} with "
-                        f"categories {list(CATEGORIES)}")
+    declared, modules, optimizers = [], [], []
+    for h in holders:
+        if callable(getattr(h, "state_tensors", None)):
+            declared.append(h)
+        elif isinstance(h, nn.Module):
+            modules.append(h)
+        elif is_optimizer_like(h):
+            optimizers.append(h)
+        else:
+            raise TypeError(f"cannot count the memory of a {type(h).__name__}: pass "
+                            f"nn.Module, torch.optim.Optimizer, or an object with a "
+                            f"state_tensors() method returning {{category: [tensors]}} "
+                            f"with categories {list(CATEGORIES)}")
     found: list[tuple[str, torch.Tensor]] = []
     module_params: set[int] = set()
     for holder in declared:
