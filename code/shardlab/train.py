@@ -363,3 +363,131 @@ def _draw_progress(path: Path, steps: int, done: threading.Event) -> None:
             if finished:
                 return
             done.wait(0.2)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--option takes key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    lowered = value.lower()
+    return key, {"true": True, "false": False}.get(lowered, value)
+
+
+def ledger_totals(report: RunReport) -> dict[str, float]:
+    """Collectives per step of a report: calls and bytes (steps after the first; the first
+    can carry one-off set-up traffic)."""
+    steps = len(report.step_times)
+    if steps > 1:
+        later, n = [r for r in report.ledger if r.step > 0], steps - 1
+    else:
+        later, n = list(report.ledger), 1
+    return {"calls": sum(1 for _ in later) / n,
+            "logical_bytes": sum(r.logical_bytes for r in later) / n,
+            "sent_bytes": sum(r.sent_bytes for r in later) / n}
+
+
+def median_step_time(report: RunReport) -> float:
+    """Median of the step times, leaving out the first (warm-up) and the last (memory
+    tracking) step when there are enough steps."""
+    times = report.step_times[1:-1] if len(report.step_times) > 2 else report.step_times
+    return statistics.median(times)
+
+
+def summary_table(reports: list[RunReport]) -> str:
+    """One line per rank: final loss, median step time, model states, peak, traffic."""
+    mib = 1024 * 1024
+    head = (f"{'rank':>4} {'loss':>8} {'step ms':>8} {'params MiB':>11} {'grads MiB':>10} "
+            f"{'optim MiB':>10} {'peak MiB':>9} {'sent MiB/step':>14} {'colls/step':>11}")
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        s, t = r.state_bytes, ledger_totals(r)
+        lines.append(f"{r.rank:>4} {r.losses[-1]:>8.4f} {1e3 * median_step_time(r):>8.1f} "
+                     f"{s.get('params', 0) / mib:>11.3f} {s.get('grads', 0) / mib:>10.3f} "
+                     f"{s.get('optimizer', 0) / mib:>10.3f} "
+                     f"{r.peak.get('total', 0) / mib:>9.3f} {t['sent_bytes'] / mib:>14.3f} "
+                     f"{t['calls']:>11.1f}")
+    return "\n".join(lines)
+
+
+def report_to_json(config: TrainConfig, reports: list[RunReport]) -> dict:
+    def record(r) -> dict:
+        fields = r.__dict__ if hasattr(r, "__dict__") else r._asdict()
+        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in fields.items()}
+
+    return {"config": {**config.__dict__},
+            "ranks": [{"rank": r.rank, "world": r.world, "strategy": r.strategy,
+                       "psi": r.psi, "losses": r.losses, "state_bytes": r.state_bytes,
+                       "peak": r.peak, "step_times": r.step_times,
+                       "collectives_per_step": ledger_totals(r),
+                       "ledger": [record(x) for x in r.ledger]} for r in reports]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardlab.precision import PRECISIONS
+    p = argparse.ArgumentParser(
+        prog="python -m shardlab train",
+        description="Train a small GPT with any strategy, through the launcher "
+                    "(--world N) or under torchrun (torchrun --nproc-per-node=N -m "
+                    "shardlab train ...).")
+    defaults = TrainConfig()
+    p.add_argument("--strategy", default=defaults.strategy, choices=sorted(STRATEGIES))
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks to launch (default 1; under torchrun: its WORLD_SIZE)")
+    p.add_argument("--model", default=defaults.model, choices=list(MODEL_NAMES))
+    p.add_argument("--precision", default=defaults.precision, choices=sorted(PRECISIONS))
+    p.add_argument("--optimizer", default=defaults.optimizer, choices=sorted(OPTIMIZERS))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                   help="global batch of one step, split among the ranks")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--option", action="append", type=_parse_option, default=[],
+                   metavar="KEY=VALUE", help="a strategy option, e.g. bucket_mb=4 (repeatable)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    p.add_argument("--no-ledger", action="store_true", help="skip recording collectives")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torchrun = under_torchrun()
+    world = args.world or (int(os.environ["WORLD_SIZE"]) if torchrun else 1)
+    if args.strategy == "single" and (world != 1 or (torchrun and
+                                                     int(os.environ["WORLD_SIZE"]) != 1)):
+        print("error: strategy 'single' runs on one process: use --world 1 "
+              "(or torchrun --nproc-per-node=1)", file=sys.stderr)
+        return 2
+    config = TrainConfig(strategy=args.strategy, world=world, model=args.model,
+                         precision=args.precision, optimizer=args.optimizer, lr=args.lr,
+                         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                         grad_accum=args.grad_accum, seed=args.seed,
+                         options=dict(args.option), measure_memory=not args.no_memory,
+                         record_ledger=not args.no_ledger)
+    try:
+        reports = run(config, backend=args.backend, progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0
+    print(f"\n{config.strategy} on {world} rank(s): {config.model} "
+          f"({reports[0].psi:,} parameters), {config.precision}, {config.optimizer}, "
+          f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    print(summary_table(reports))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_to_json(config, reports), indent=1))
+        print(f"report written to {args.json}")
+    return 0
