@@ -182,3 +182,21 @@ def test_peak_counts_declared_optimizer_tensors():
     assert peak.by_category["optimizer"] == 400
     assert peak.by_category["params"] == 200 and peak.by_category["grads"] == 200
     assert peak.bytes == 200 + 200 + 400 + 4000
+
+
+def test_the_training_loops_report_matches_the_formulas():
+    """The report of `train.run` (the course's own loop and DDP) carries the same bytes."""
+    from shardlab.models import build_model
+    from shardlab.train import TrainConfig, run
+
+    model = build_model("gpt-tiny")
+    psi, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    for strategy, world, precision in [("single", 1, "bf16-mixed"), ("ddp", 2, "fp32")]:
+        reports = run(TrainConfig(strategy=strategy, world=world, precision=precision,
+                                  steps=2, record_ledger=False))
+        b = memory.model_states(psi, world, 0, precision, "adamw")
+        for r in reports:
+            assert r.psi == psi
+            assert r.state_bytes == {"params": b.params, "grads": b.grads,
+                                     "optimizer": b.optimizer + STEP_COUNTER_BYTES * tensors,
+                                     "buffers": 0}, (strategy, r.rank)
