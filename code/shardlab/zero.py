@@ -1,0 +1,517 @@
+"""ZeRO stages 1 and 2: shard the optimizer state, then the gradients too.
+
+Data parallelism keeps on every rank the same three things: the parameters, their
+gradients and the optimizer state. Only the parameters are needed everywhere (every rank
+runs the whole forward and backward). ZeRO (Rajbhandari et al., 2020) keeps them whole
+and splits the rest N ways:
+
+    stage 1  each rank keeps the optimizer state (the fp32 master copy and Adam's m and v
+             in mixed precision) of 1/N of the parameters; gradients stay whole.
+    stage 2  the gradients are split too: during backward, as soon as a bucket of
+             gradients is complete it is reduce-scattered and the full gradients are freed.
+
+The layout (DeepSpeed's, and PyTorch DDP's buckets): the trainable parameters of one
+parameter group are cut into buckets of whole parameters (about `bucket_numel` elements,
+filled from the last parameter back, the order backward produces gradients); all of the
+group's buckets live in one flat 1-D buffer and the model's parameters become views of it.
+Each bucket is padded to a multiple of N, so it splits into N equal chunks and rank r owns
+chunk r of every bucket. With one bucket per group this is exactly "concatenate the
+group's parameters, pad to a multiple of N, rank r owns elements [r*S, (r+1)*S)".
+
+Why this is still the same optimizer: Adam, AdamW and SGD are elementwise, so stepping
+the chunks is the same arithmetic as stepping the parameters (hyperparameters are per
+group, which is why each group gets its own flat buffer).
+
+One step, per bucket of psi_b elements (padded), on every rank:
+
+    stage 1  backward: full gradients accumulate in place into the flat gradient buffer
+             step():  reduce-scatter the bucket's gradients -> my averaged chunk     psi_b
+                      step my chunks; all-gather the bucket's parameters             psi_b
+    stage 2  backward: when a bucket's last gradient arrives: copy the gradients into a
+                      bucket buffer, free them, reduce-scatter, add my chunk to my
+                      gradient shard, free the buffer                               psi_b
+             step():  step my chunks; all-gather the bucket's parameters             psi_b
+
+Both move 2 psi logical bytes per step (psi in the communicated dtype), as much as
+DDP's all-reduce. A parameter that gets no gradient in a step is stepped with a zero
+gradient (as in DeepSpeed): with weight decay it still decays, where torch.optim would
+skip it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.precision import MasterWeightOptimizer, Precision
+from shardlab.train import (OptimizerSpec, Wrapped, cast_model, check_options,
+                            named_full_parameters)
+
+# Options of wrap_zero1 / wrap_zero2, with their defaults.
+ZERO_OPTIONS: dict[str, Any] = {
+    # Elements per bucket; a parameter larger than this gets a bucket of its own.
+    "bucket_numel": 1 << 16,
+    # None (one group: all trainable parameters) or a function model -> parameter groups
+    # (a list of dicts, as for any torch.optim optimizer).
+    "param_groups": None,
+}
+TORCH_ZERO1_OPTIONS: dict[str, Any] = {"find_unused_parameters": False}
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+def padded_size(numel: int, world: int) -> int:
+    """The smallest multiple of `world` that holds `numel` elements."""
+    return -(-numel // world) * world
+
+
+@dataclass
+class Bucket:
+    """Whole parameters of one group, contiguous in the group's flat buffer, padded to a
+    multiple of N: the unit of communication (one reduce-scatter, one all-gather)."""
+
+    group: int
+    params: list[nn.Parameter]
+    offsets: list[int]          # where each parameter starts inside the bucket
+    numel: int                  # real elements
+    padded_numel: int           # numel rounded up to a multiple of N
+    start: int = 0              # where the bucket starts in the group's flat buffer
+    shard_start: int = 0        # where my chunk starts in the group's gradient shard
+    waiting: set[int] = field(default_factory=set)   # stage 2: params without a gradient
+    grad_buffer: torch.Tensor | None = None          # stage 2: the bucket's gradients
+
+    def chunk_numel(self, world: int) -> int:
+        return self.padded_numel // world
+
+    def region(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start:self.start + self.padded_numel]
+
+    def chunk(self, flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        c = self.chunk_numel(world)
+        return flat[self.start + rank * c:self.start + (rank + 1) * c]
+
+
+def fill_buckets(group: int, params: list[nn.Parameter], world: int,
+                 bucket_numel: int) -> list[Bucket]:
+    """Cut `params` into buckets of whole parameters, filled from the last parameter back
+    (backward produces gradients in about that order); returned in model order."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        if buckets[-1] and size + p.numel() > bucket_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel()
+    result = []
+    for members in reversed(buckets):
+        members = members[::-1]
+        offsets = [sum(p.numel() for p in members[:i]) for i in range(len(members))]
+        numel = sum(p.numel() for p in members)
+        result.append(Bucket(group, members, offsets, numel, padded_size(numel, world)))
+    return result
+
+
+@dataclass
+class FlatGroup:
+    """One parameter group: its buckets in one flat buffer, and this rank's pieces."""
+
+    hyper: dict[str, Any]       # the group's own options (lr, weight_decay, ...)
+    buckets: list[Bucket]
+    flat_param: torch.Tensor    # the model's parameters are views of it
+    shards: list[torch.Tensor]  # what the optimizer steps: my chunk of each bucket
+    flat_grad: torch.Tensor | None = None   # stage 1: full gradients (.grad are views)
+    grad_shard: torch.Tensor | None = None  # stage 2: my chunks' averaged gradients
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+
+def flatten_into_buckets(buckets: list[Bucket]) -> torch.Tensor:
+    """Allocate the group's flat buffer, copy the parameters in, make them views of it."""
+    first = buckets[0].params[0]
+    dtypes = {p.dtype for b in buckets for p in b.params}
+    devices = {p.device for b in buckets for p in b.params}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"a parameter group must have one dtype and one device to be "
+                         f"flattened; got dtypes {sorted(map(str, dtypes))} and devices "
+                         f"{sorted(map(str, devices))}. Cast the model first.")
+    start = 0
+    for b in buckets:
+        b.start = start
+        start += b.padded_numel
+    flat = torch.zeros(start, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for b in buckets:
+            for p, offset in zip(b.params, b.offsets):
+                view = flat[b.start + offset:b.start + offset + p.numel()]
+                view.copy_(p.reshape(-1))
+                p.data = view.view_as(p)
+    return flat
+
+
+def split_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Parameter groups as torch.optim takes them, minus frozen and repeated parameters.
+
+    A tied parameter (one tensor reached from two modules) is optimized once, in the
+    first group it appears in. Groups left empty are dropped.
+    """
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    seen: set[int] = set()
+    result = []
+    for group in groups:
+        kept = []
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                kept.append(p)
+        if kept:
+            result.append({**group, "params": kept})
+    if not result:
+        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+    return result
+
+
+def check_bucket_numel(bucket_numel: Any) -> int:
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be a whole number of elements >= 1, "
+                         f"got {bucket_numel!r}")
+    return bucket_numel
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+class ZeroOptimizer:
+    """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) around any torch.optim optimizer class.
+
+    Use it like the optimizer it wraps: `loss.backward(); opt.step(); opt.zero_grad()`.
+    The optimizer built inside (`.optimizer`) steps only this rank's chunks, or fp32
+    master copies of them when `master_weights`, so its state is 1/N of the usual.
+    `param_order` (the model's parameters in forward order) decides the order in which
+    stage 2 reduces its buckets; every rank must reduce them in the same order.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                 *, stage: int = 1, master_weights: bool = False,
+                 bucket_numel: int = ZERO_OPTIONS["bucket_numel"], process_group=None,
+                 param_order: Sequence[nn.Parameter] | None = None, **defaults: Any):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r} "
+                             f"(stage 3 is shardlab.sharded.wrap_zero3)")
+        check_bucket_numel(bucket_numel)
+        self.stage, self.master_weights = stage, master_weights
+        self.process_group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.groups: list[FlatGroup] = []
+        for gi, spec in enumerate(split_groups(params)):
+            buckets = fill_buckets(gi, spec["params"], self.world, bucket_numel)
+            flat = flatten_into_buckets(buckets)
+            mine = [b.chunk(flat, self.rank, self.world) for b in buckets]
+            # fp32 and "bf16": step my chunks in place. bf16-mixed: fp32 copies of them.
+            shards = [m.float().clone() for m in mine] if master_weights else mine
+            g = FlatGroup({k: v for k, v in spec.items() if k != "params"}, buckets, flat,
+                          shards)
+            shard_start = 0
+            for b in buckets:
+                b.shard_start = shard_start
+                shard_start += b.chunk_numel(self.world)
+            if stage == 1:
+                g.flat_grad = torch.zeros_like(flat)
+                self._attach_grads(g)
+            else:
+                g.grad_shard = torch.zeros(shard_start, dtype=flat.dtype, device=flat.device)
+            self.groups.append(g)
+        self.optimizer = optimizer_class([{**g.hyper, "params": g.shards}
+                                          for g in self.groups], **defaults)
+        if stage == 2:
+            self._prepare_backward_hooks(param_order)
+
+    # ------------------------------------------------------------------ torch.optim face
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for g in self.groups:
+            grad = self.reduce_scatter_grads(g) if self.stage == 1 else g.grad_shard
+            for b, shard in zip(g.buckets, g.shards):
+                c = b.chunk_numel(self.world)
+                shard.grad = grad[b.shard_start:b.shard_start + c].to(shard.dtype)
+        self.optimizer.step()
+        for g in self.groups:
+            for b, shard in zip(g.buckets, g.shards):
+                shard.grad = None  # stage 1's reduced gradient was a temporary
+                if self.master_weights:
+                    b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
+            self.all_gather_params(g)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients. The flat gradient (stage 1) and the gradient shard (stage 2)
+        are persistent buffers by design: they are zeroed, never freed."""
+        for g in self.groups:
+            if self.stage == 1:
+                g.flat_grad.zero_()
+                self._attach_grads(g)
+            else:
+                g.grad_shard.zero_()
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Everything kept between steps, by category (what shardlab.measure counts)."""
+        optimizer = [t for state in self.optimizer.state.values() for t in state.values()
+                     if isinstance(t, torch.Tensor)]
+        if self.master_weights:
+            optimizer += [s for g in self.groups for s in g.shards]
+        grads = [g.flat_grad if self.stage == 1 else g.grad_shard for g in self.groups]
+        return {"params": [g.flat_param for g in self.groups], "grads": grads,
+                "optimizer": optimizer, "buffers": []}
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    # ------------------------------------------------------------------ collectives
+
+    def reduce_scatter_grads(self, g: FlatGroup) -> torch.Tensor:
+        """Stage 1: my chunks of the gradients averaged over the ranks, one reduce-scatter
+        per bucket, straight out of the flat gradient buffer (no copy)."""
+        self._attach_grads(g)
+        grad = torch.empty_like(g.flat_param[:sum(b.chunk_numel(self.world)
+                                                  for b in g.buckets)])
+        for b in g.buckets:
+            c = b.chunk_numel(self.world)
+            reduce_scatter_into(grad[b.shard_start:b.shard_start + c], b.region(g.flat_grad),
+                                group=self.process_group)
+        return grad.div_(self.world)
+
+    def all_gather_params(self, g: FlatGroup) -> None:
+        """Every rank's updated chunks into every rank's flat buffer, in place."""
+        for b in g.buckets:
+            all_gather_into(b.region(g.flat_param), b.chunk(g.flat_param, self.rank, self.world),
+                            group=self.process_group)
+
+    @staticmethod
+    def _attach_grads(g: FlatGroup) -> None:
+        """Stage 1: point every .grad at its slice of the flat gradient, so autograd
+        accumulates into it in place. If something replaced a .grad (model.zero_grad(),
+        say), its value is copied back into the flat buffer first."""
+        for b in g.buckets:
+            for p, offset in zip(b.params, b.offsets):
+                view = g.flat_grad[b.start + offset:b.start + offset + p.numel()].view_as(p)
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+
+    # ------------------------------------------------------------------ stage 2 hooks
+
+    def _prepare_backward_hooks(self, param_order: Sequence[nn.Parameter] | None) -> None:
+        owned = [(b, i) for g in self.groups for b in g.buckets for i in range(len(b.params))]
+        order = list(param_order) if param_order is not None else \
+            [b.params[i] for b, i in owned]
+        position = {id(p): k for k, p in enumerate(order)}
+        if any(id(b.params[i]) not in position for b, i in owned):
+            raise ValueError("param_order must list every trainable parameter")
+        # Reduce first the bucket whose parameters come last in the model: its gradients
+        # are complete first. A fixed order, the same on every rank, so collectives pair up.
+        self.buckets = sorted((b for g in self.groups for b in g.buckets),
+                              key=lambda b: (-max(position[id(p)] for p in b.params),
+                                             b.group, -b.start))
+        self._next_bucket = 0
+        self._in_backward = False
+        self._to_free: list[nn.Parameter] = []
+        self._reset_buckets()
+        for b, i in owned:
+            b.params[i].register_post_accumulate_grad_hook(
+                functools.partial(self._on_grad_ready, b, i))
+
+    def _reset_buckets(self) -> None:
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.waiting = set(range(len(b.params)))
+            b.grad_buffer = None
+
+    @torch.no_grad()
+    def _on_grad_ready(self, b: Bucket, i: int, p: nn.Parameter) -> None:
+        if not self._in_backward:
+            # Once per backward, after its last hook: reduce what is left (parameters that
+            # took no part in this step count as zero gradients) and reset the buckets.
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        # The previous full gradient goes now, not in its own hook: hooks registered later
+        # (a memory tracker's) must still find it.
+        self._free_full_grads()
+        if b.grad_buffer is None:
+            b.grad_buffer = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+        b.grad_buffer[b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
+        b.waiting.discard(i)
+        self._to_free.append(p)
+        self._reduce_ready_buckets()
+
+    def _free_full_grads(self) -> None:
+        for p in self._to_free:
+            p.grad = None
+        self._to_free.clear()
+
+    def _reduce_ready_buckets(self, flush: bool = False) -> None:
+        while self._next_bucket < len(self.buckets):
+            b = self.buckets[self._next_bucket]
+            if b.waiting and not flush:
+                return  # every rank reduces in the same order: wait for this one
+            self._reduce_bucket(b)
+            self._next_bucket += 1
+
+    def _reduce_bucket(self, b: Bucket) -> None:
+        g = self.groups[b.group]
+        if b.grad_buffer is None:  # no parameter of the bucket had a gradient
+            b.grad_buffer = torch.zeros_like(b.region(g.flat_param))
+        c = b.chunk_numel(self.world)
+        mine = torch.empty(c, dtype=b.grad_buffer.dtype, device=b.grad_buffer.device)
+        reduce_scatter_into(mine, b.grad_buffer, group=self.process_group)
+        # add, not copy: gradient accumulation sums the micro-batches into the shard
+        g.grad_shard[b.shard_start:b.shard_start + c].add_(mine.div_(self.world))
+        b.grad_buffer = None
+
+    def _finish_backward(self) -> None:
+        with torch.no_grad():
+            self._free_full_grads()
+            self._reduce_ready_buckets(flush=True)
+        self._in_backward = False
+        self._reset_buckets()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_same_model_on_all_ranks(model: nn.Module, process_group=None) -> None:
+    """Refuse, on every rank, a model whose parameters differ across ranks.
+
+    ZeRO-1/2 never broadcast the parameters: each rank steps its chunks and all-gathers
+    them, so ranks that started from different weights would silently train a patchwork
+    of different models. A small signature (counts, shapes, sums) is compared instead of
+    the weights themselves."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        signature = torch.tensor(
+            [float(len(params))] + [float(d) for p in params for d in (p.dim(), *p.shape)]
+            + [float(p.detach().double().sum()) for p in params]
+            + [float(p.detach().double().square().sum()) for p in params],
+            dtype=torch.float64)
+    length = torch.tensor([float(signature.numel())], dtype=torch.float64)
+    low, high = length.clone(), length.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=process_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=process_group)
+    same = torch.equal(low, high)
+    if same:
+        low, high = signature.clone(), signature.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=process_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=process_group)
+        same = torch.equal(low, high)
+    if not same:
+        raise ValueError("the model differs across ranks (parameter shapes or values); build "
+                         "it identically on every rank, e.g. with "
+                         "shardlab.models.build_model(name, seed) and the same seed")
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    opts = check_options(f"zero{stage}", options, ZERO_OPTIONS)
+    check_bucket_numel(opts["bucket_numel"])
+    if opts["param_groups"] is not None and not callable(opts["param_groups"]):
+        raise ValueError(f"param_groups must be None or a function model -> list of "
+                         f"parameter groups, got {type(opts['param_groups']).__name__}")
+    check_same_model_on_all_ranks(model)
+    model = cast_model(model, precision)
+    params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
+    zero = ZeroOptimizer(params, optimizer.cls, stage=stage,
+                         master_weights=precision.master_weights,
+                         bucket_numel=opts["bucket_numel"],
+                         param_order=[p for p in model.parameters() if p.requires_grad],
+                         **optimizer.kwargs)
+    # no_sync is not needed: stage 1 reduces only in step(), so micro-batches accumulate
+    # locally; stage 2 reduces every micro-batch and accumulates into the shard.
+    return Wrapped(model, zero, full_parameters=lambda: named_full_parameters(model))
+
+
+def wrap_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """ZeRO-1: optimizer state sharded 1/N; gradients reduce-scattered in step()."""
+    return _wrap_zero(1, model, precision, optimizer, options)
+
+
+def wrap_zero2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """ZeRO-2: optimizer state and gradients sharded 1/N; buckets reduce-scattered
+    during backward."""
+    return _wrap_zero(2, model, precision, optimizer, options)
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+class TorchZero1:
+    """PyTorch's ZeRO-1: `ZeroRedundancyOptimizer` over a PyTorch DDP model.
+
+    DDP all-reduces the full gradients (Ψ); each rank steps the parameters assigned to
+    it; their owners broadcast them (Ψ). PyTorch assigns whole tensors to ranks (greedily,
+    largest first) rather than cutting a flat space, so a rank's optimizer state is only
+    about 1/N, by an amount that depends on the tensor sizes."""
+
+    def __init__(self, ddp_model: nn.Module, optimizer_class, master_weights: bool,
+                 **defaults: Any):
+        constructor = (functools.partial(MasterWeightOptimizer, optimizer_class=optimizer_class)
+                       if master_weights else optimizer_class)
+        self.model = ddp_model
+        self.zero = ZeroRedundancyOptimizer([p for p in ddp_model.parameters()
+                                             if p.requires_grad], constructor, **defaults)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.zero.param_groups
+
+    def step(self) -> None:
+        self.zero.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad(set_to_none=set_to_none)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        local = self.zero.optim
+        optimizer = [t for state in local.state.values() for t in state.values()
+                     if isinstance(t, torch.Tensor)]
+        if isinstance(local, MasterWeightOptimizer):
+            optimizer += local.master_tensors()
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer, "buffers": list(self.model.buffers())}
+
+
+def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                     options: dict) -> Wrapped:
+    """Reference: torch.distributed.optim.ZeroRedundancyOptimizer over PyTorch DDP."""
+    opts = check_options("torch-zero1", options, TORCH_ZERO1_OPTIONS)
+    model = cast_model(model, precision)
+    ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"])
+    zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
+    return Wrapped(ddp, zero, ddp.no_sync, lambda: named_full_parameters(model))

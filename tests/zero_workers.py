@@ -1,0 +1,88 @@
+"""Workers for test_zero.py: many training cases inside one launch.
+
+Each rank runs the course's own loop (`train.train_worker`) for a distributed strategy,
+and computes the single-process reference on the whole global batch itself, in the same
+process, so one launch checks many cases without paying for more process start-ups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.precision import MasterWeightOptimizer, get_precision
+from shardlab.train import TrainConfig, cast_model, optimizer_spec, train_worker
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """nanoGPT's groups: weight decay (and a smaller lr) on matrices, none on the rest."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0,
+             "lr": 3e-3}]
+
+
+def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`config` trained by one process on the whole global batch: losses, parameters."""
+    torch.manual_seed(config.seed)
+    precision = get_precision(config.precision)
+    model = cast_model(build_model(config.model, config.seed), precision)
+    spec = optimizer_spec(config.optimizer, config.lr)
+    groups = config.options.get("param_groups")
+    params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
+    optimizer = (MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
+                 if precision.master_weights else spec.build(params))
+    losses = []
+    for step in range(config.steps):
+        total = 0.0
+        for micro in range(config.grad_accum):
+            x, y = get_batch(step, 0, 1, config.batch_size, config.seq_len, config.seed,
+                             micro, config.grad_accum)
+            loss = loss_fn(model(x), y) / config.grad_accum
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def parity_cases(cases: list[TrainConfig]) -> list[dict]:
+    """Train every case on this group; compare with the single-process reference."""
+    world = dist.get_world_size()
+    out = []
+    for config in cases:
+        config = replace(config, world=world, keep_params=True)
+        report = train_worker(config)
+        ref_losses, ref_params = reference(config)
+        assert report.params.keys() == ref_params.keys()
+        out.append({
+            "strategy": config.strategy, "model": config.model,
+            "precision": config.precision, "optimizer": config.optimizer,
+            "grad_accum": config.grad_accum,
+            "bucket_numel": config.options.get("bucket_numel"),
+            "groups": "param_groups" in config.options,
+            "losses": report.losses, "ref_losses": ref_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(report.losses, ref_losses)),
+            "param_diff": max((report.params[k].float() - ref_params[k].float()).abs().max()
+                              .item() for k in ref_params),
+            "param_scale": max(v.float().abs().max().item() for v in ref_params.values()),
+            "psi": report.psi, "state_bytes": report.state_bytes, "peak": report.peak,
+            "ledger": [(r.op, str(r.dtype), r.logical_bytes, r.step) for r in report.ledger],
+        })
+    return out
+
+
+def refuses_different_models() -> str:
+    """Build a model that differs on rank 1; the wrapper must refuse it on every rank."""
+    from shardlab.train import get_strategy
+    model = build_model("toy-tied", seed=dist.get_rank() == 1)
+    try:
+        get_strategy("zero2")(model, get_precision("fp32"), optimizer_spec("adamw", 1e-3), {})
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
