@@ -102,8 +102,9 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
 
     Apply it bottom-up: to each block, then to the root. Refused: a second call on the
     same module; a call on a child after its parent (the parent already took its
-    parameters); a parameter shared with a module outside `module`; parameters that
-    differ across ranks.
+    parameters); parameters that differ across ranks. (A weight tied between two modules
+    must be in one unit: shard their common parent, as the root does with the GPT's
+    embedding and head.)
     """
     if "_sharded_units" in module.__dict__:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
@@ -238,7 +239,6 @@ def _policies(precision, options):
 
 
 def _apply(model, precision, options, shard_fn, mp_cls, offload_cls):
-    from shardlab.train import check_options  # noqa: F401 (checked by the callers)
     mp, offload = _policies(precision, options)
     if not precision.master_weights:
         model = model.to(precision.param_dtype)
@@ -317,6 +317,65 @@ def wrap_torch_fsdp2(model: nn.Module, precision, optimizer, options: dict):
                 for name, p in model.named_parameters()}
 
     return Wrapped(model, opt, no_sync=no_sync, full_parameters=full_parameters)
+
+
+# ----------------------------------------------------------------------------- a worker
+
+
+def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: int = 32
+               ) -> list[dict]:
+    """Run on every rank (with `shardlab.launch.launch`): for each case
+    {strategy, options, model, precision}, train `steps` steps and look inside the last:
+    PyTorch's own count of the c10d collectives it ran (`CommDebugMode`, which sees ours and
+    `fully_shard`'s alike), the timeline of our schedule (ours only), the step times, the
+    losses, and the parameters as the module shows them (name, shape, dtype)."""
+    import time
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.precision import get_precision
+    from shardlab.sharded import tracing
+    from shardlab.train import optimizer_spec, get_strategy
+
+    import warnings
+
+    # CommDebugMode's module tracker warns that a full backward hook fires without inputs
+    # that need a gradient (token ids); under it PyTorch's FSDP2 also warns that the
+    # model's output is a view. Neither concerns this loop, which never edits the output.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for case in cases:
+        model = build_model(case.get("model", "gpt-tiny"), seed=0)
+        wrapped = get_strategy(case["strategy"])(
+            model, get_precision(case.get("precision", "fp32")), optimizer_spec("adamw", 1e-3),
+            dict(case.get("options", {})))
+        shown = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+                 for n, p in wrapped.model.named_parameters()]
+        losses, times, counts, events = [], [], {}, []
+        for step in range(steps):
+            x, y = get_batch(step, rank, world, batch_size, seq_len)
+            last = step == steps - 1
+            counter = CommDebugMode() if last else contextlib.nullcontext()
+            tracer = tracing() if last else contextlib.nullcontext()
+            dist.barrier()
+            with counter, tracer as trace:
+                start = time.perf_counter()
+                loss = loss_fn(wrapped.model(x), y)
+                loss.backward()
+                wrapped.optimizer.step()
+                wrapped.optimizer.zero_grad()
+                times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            if last:
+                counts = {str(op).split(".")[-1]: n
+                          for op, n in counter.get_comm_counts().items()}
+                events = [(t - start, unit, what, edge) for t, unit, what, edge in trace]
+        results.append({"case": case, "losses": losses, "step_times": times,
+                        "collectives": counts, "events": sorted(events), "shown": shown})
+    return results
 
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",

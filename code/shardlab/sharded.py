@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,40 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
+
+
+# A timeline of the schedule, for the chapters: when set to a list (see `tracing`), every
+# unit appends (seconds, unit name, what, "start" | "end"). Off, it costs one check.
+TRACE: list | None = None
+
+
+@contextlib.contextmanager
+def tracing():
+    """Record the schedule's events in this process: all-gathers and reduce-scatters
+    (from their launch to their completion), forward and backward compute, frees."""
+    global TRACE
+    TRACE = events = []
+    try:
+        yield events
+    finally:
+        TRACE = None
+
+
+def _trace(unit, what: str, edge: str) -> None:
+    if TRACE is not None:
+        TRACE.append((time.perf_counter(), unit.name, what, edge))
+
+
+def _trace_completion(unit, what: str, work) -> None:
+    """Mark the end of a collective when the backend finishes it, not when it is waited."""
+    if TRACE is None:
+        return
+    events = TRACE
+    try:
+        work.get_future().then(lambda _: events.append(
+            (time.perf_counter(), unit.name, what, "end")))
+    except RuntimeError:
+        pass
 
 
 class ShardedState(enum.Enum):
@@ -164,6 +199,7 @@ class ShardedUnit:
         self.needs_post_backward = False     # set in forward, cleared once grads are reduced
         self.pre_backward_done = False
         self.model_state: ShardedModel | None = None  # set by the root at its first forward
+        self.name = type(module).__name__            # its path in the model, once known
         self.cast_inputs = False  # mixed precision: cast floating inputs to param_dtype
         self.handles = []
 
@@ -178,7 +214,9 @@ class ShardedUnit:
             return
         local = self.all_gather_input()
         full = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
+        _trace(self, "all-gather", "start")
         work = all_gather_into(full, local, group=self.group, async_op=True)
+        _trace_completion(self, "all-gather", work)
         self.pending_gather = (work, full)
         if not async_op:
             self.wait_for_unshard()
@@ -201,6 +239,7 @@ class ShardedUnit:
             self.wait_for_unshard()
         if self.state is ShardedState.SHARDED:
             return
+        _trace(self, "free", "start")
         self.free_unsharded()
         self.register_sharded()
         self.state = ShardedState.SHARDED
@@ -223,6 +262,7 @@ class ShardedUnit:
             self.needs_post_backward = True
             self.pre_backward_done = False
             args = self.register_post_backward(args)
+        _trace(self, "forward", "start")
         return args, kwargs
 
     def register_post_backward(self, args):
@@ -234,6 +274,7 @@ class ShardedUnit:
                      for a in args)
 
     def post_forward(self, module, args, kwargs, output):
+        _trace(self, "forward", "end")
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard()
         if torch.is_grad_enabled():
@@ -250,6 +291,7 @@ class ShardedUnit:
             self.wait_for_unshard()
             for unit in self.backward_prefetch_targets():
                 unit.unshard(async_op=True)
+            _trace(self, "backward", "start")
         return grad
 
     def backward_prefetch_targets(self) -> list["ShardedUnit"]:
@@ -262,6 +304,7 @@ class ShardedUnit:
         if not self.needs_post_backward:
             return
         self.needs_post_backward = False
+        _trace(self, "backward", "end")
         if self.state is ShardedState.UNSHARDED and self.requires_gradient_sync:
             grads = [p.grad for p in self.unsharded_params]
             if any(g is not None for g in grads):
@@ -275,7 +318,9 @@ class ShardedUnit:
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
         full = self.reduce_scatter_input(grads)
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
+        _trace(self, "reduce-scatter", "start")
         reduce_scatter_into(reduced, full, group=self.group)
+        _trace(self, "reduce-scatter", "end")
         reduced.div_(self.world)  # the mean over ranks of the per-rank mean losses
         self.add_sharded_grads(reduced)
 
@@ -377,8 +422,10 @@ class FlatUnit(ShardedUnit):
         storage.resize_(self.full_buffer.numel() * self.full_buffer.element_size())
         # `.data` is an alias with its own version counter: writing the gathered values
         # must not look like an in-place change to the tensors autograd saved.
+        _trace(self, "all-gather", "start")
         work = all_gather_into(self.full_buffer.data, self.all_gather_input(),
                                group=self.group, async_op=True)
+        _trace_completion(self, "all-gather", work)
         self.pending_gather = (work, self.full_buffer)
         if not async_op:
             self.wait_for_unshard()
@@ -595,6 +642,7 @@ class ShardedModel:
         names = {id(m): n for n, m in root.module.named_modules(remove_duplicate=False)}
         for u in units:
             u.model_state = self
+            u.name = names[id(u.module)] or "root"
             for slot in u.slots:
                 module, attr = slot.owners[0]
                 slot.name = f"{names[id(module)]}.{attr}" if names[id(module)] else attr
