@@ -37,6 +37,15 @@ BF16_LOSS_TOL = 2e-2
 BF16_PARAM_TOL = 1e-2
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The references run in this process with one thread, as each launched rank does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_configs(configs):
     """Worker: each config in turn on this rank (one launch, many runs)."""
     return [train_worker(c) for c in configs]

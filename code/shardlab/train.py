@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.comm import Ledger
 from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
@@ -205,12 +206,9 @@ class RunReport:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _ledger_or_nothing(enabled: bool):
-    # comm.Ledger records every collective inside it on this rank
-    from shardlab import comm
-    if not enabled or not hasattr(comm, "Ledger"):  # TEMPORARY until comm.Ledger lands
-        return None
-    return comm.Ledger()
+def _ledger_or_nothing(enabled: bool) -> Ledger | None:
+    # records every collective inside it on this rank: ours and PyTorch's
+    return Ledger() if enabled else None
 
 
 def _progress_reporter(progress: str | None, steps: int):

@@ -1,0 +1,120 @@
+"""The training loop, its report, its refusals and its command line (launcher and
+torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardlab import comm, memory
+from shardlab.models import build_model
+from shardlab.train import TrainConfig, main, run, train_worker
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Runs in this process use one thread, as each launched rank does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"strategy": "dpp"}, "unknown strategy 'dpp'"),
+    ({"precision": "fp8"}, "unknown precision 'fp8'"),
+    ({"model": "gpt-huge"}, "unknown model 'gpt-huge'"),
+    ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
+    ({"strategy": "ddp", "world": 3}, "multiple of 3"),
+    ({"strategy": "ddp", "world": 2, "grad_accum": 3}, "multiple of 6"),
+    ({"steps": 0}, "steps must be a whole number >= 1"),
+])
+def test_bad_configs_are_refused_before_any_process_starts(change, message):
+    with pytest.raises(ValueError, match=message):
+        run(replace(TrainConfig(), **change), timeout=1)  # 1 s: far too short to launch
+
+
+def test_unknown_options_are_refused_naming_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"'ddp' got unknown option\(s\) \['bucket'\].*"
+                                         r"bucket_mb"):
+        run(TrainConfig(strategy="ddp", world=1, options={"bucket": 4}))
+
+
+def test_single_reports_losses_memory_and_parameters():
+    config = TrainConfig(steps=10, keep_params=True, world=4)  # single runs on 1 process
+    [report] = run(config)
+    assert (report.rank, report.world, report.strategy) == (0, 1, "single")
+    assert len(report.losses) == len(report.step_times) == 10
+    assert report.losses[-1] < report.losses[0] - 0.3  # it learns
+    psi = sum(p.numel() for p in build_model("gpt-tiny").parameters())
+    assert report.psi == psi
+    predicted = memory.model_states(psi, 1, 0, "fp32", "adamw")
+    counters = 4 * sum(1 for _ in build_model("gpt-tiny").parameters())  # AdamW's steps
+    assert report.state_bytes["params"] == predicted.params
+    assert report.state_bytes["grads"] == predicted.grads
+    assert report.state_bytes["optimizer"] == predicted.optimizer + counters
+    assert report.peak["total"] >= predicted.params + predicted.optimizer
+    assert report.ledger == []  # one process, no collectives
+    # the same run in this process gives the same losses and parameters, bit for bit
+    # (one thread, like a launched rank: the thread count changes the summation order)
+    here = train_worker(replace(config, world=1, measure_memory=False))
+    assert here.losses == report.losses
+    assert all(torch.equal(here.params[k], report.params[k]) for k in here.params)
+
+
+def test_gradient_accumulation_matches_the_whole_batch_at_once():
+    base = TrainConfig(steps=10, keep_params=True, measure_memory=False, record_ledger=False)
+    whole = train_worker(base)
+    accumulated = train_worker(replace(base, grad_accum=4))
+    # 4 means of 2 rows, each divided by 4, instead of one mean of 8 rows: fp32 rounding
+    # only, which Adam's normalized update can lift to ~1e-5 on near-zero gradients
+    assert max(abs(a - b) for a, b in zip(whole.losses, accumulated.losses)) < 1e-5
+    assert max((whole.params[k] - accumulated.params[k]).abs().max().item()
+               for k in whole.params) < 1e-4
+
+
+def test_bf16_mixed_holds_16_bytes_per_parameter():
+    report = train_worker(TrainConfig(steps=2, precision="bf16-mixed"))
+    predicted = memory.model_states(report.psi, 1, 0, "bf16-mixed", "adamw")
+    counters = 4 * sum(1 for _ in build_model("gpt-tiny").parameters())
+    assert report.state_bytes["params"] == predicted.params == 2 * report.psi
+    assert report.state_bytes["grads"] == predicted.grads == 2 * report.psi
+    assert report.state_bytes["optimizer"] - counters == predicted.optimizer == 12 * report.psi
+
+
+def test_command_line_through_the_launcher(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    assert main(["--strategy", "ddp", "--world", "2", "--steps", "3", "--no-progress",
+                 "--option", "bucket_mb=0.1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ddp on 2 rank(s)" in out and "sent MiB/step" in out
+    report = json.loads(path.read_text())
+    assert report["config"]["options"] == {"bucket_mb": 0.1}
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
+    # the all-reduce of fp32 gradients on a ring: 2 psi (N-1)/N elements of 4 bytes
+    assert ranks[0]["collectives_per_step"]["sent_bytes"] == comm.volume_per_rank(
+        "ddp", ranks[0]["psi"], 2, bytes_per_elem=4)
+    assert main(["--strategy", "single", "--world", "2"]) == 2
+    assert "runs on one process" in capsys.readouterr().err
+    assert main(["--strategy", "ddp", "--world", "3"]) == 2
+    assert "multiple of 3" in capsys.readouterr().err
+
+
+def test_command_line_under_torchrun(tmp_path):
+    path = tmp_path / "report.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--standalone", "-m", "shardlab", "train", "--strategy", "torch-ddp",
+         "--steps", "3", "--no-progress", "--json", str(path)],
+        capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("torch-ddp on 2 rank(s)") == 1  # rank 0 prints, once
+    ranks = json.loads(path.read_text())["ranks"]
+    assert len(ranks) == 2 and ranks[0]["losses"] == ranks[1]["losses"]
