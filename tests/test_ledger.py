@@ -8,13 +8,14 @@ by 4, so the ring's chunks need no padding and the paper's formulas hold to the 
 """
 
 import math
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab import comm
+from shardlab import comm, demo
 from shardlab.launch import launch
 
 WORLD = 4
@@ -98,6 +99,10 @@ def record_everything() -> dict[str, list]:
     with comm.Ledger() as ledger:
         _train(model, torch.optim.AdamW(model.parameters(), lr=0.1), ledger)
     out["torch-fsdp2"] = ledger.records
+
+    if os.path.exists("/proc/self/io"):  # the bytes really written to gloo's sockets
+        out["wire"] = demo.socket_bytes(["ring_reduce_scatter", "ring_all_reduce",
+                                         "all_reduce", "reduce_scatter", "all_gather"], 1 << 16)
     return out
 
 
@@ -189,6 +194,20 @@ def test_fully_shard_gathers_twice_and_reduce_scatters_once(recorded):
             assert ops["reduce_scatter"]["logical_bytes"] == PSI * 4
             sent = ops["all_gather"]["sent_bytes"] + ops["reduce_scatter"]["sent_bytes"]
             assert sent == comm.volume_per_rank("torch-fsdp2", PSI, WORLD, 4)
+
+
+def test_the_wire_carries_the_ring_bytes_and_gloo_reduce_scatter_those_of_an_all_reduce(
+        recorded):
+    if "wire" not in recorded[0]:
+        pytest.skip("no /proc/self/io on this system")
+    numel = 1 << 16
+    for sections in recorded:
+        wire = sections["wire"]
+        for op in ("ring_reduce_scatter", "ring_all_reduce", "all_reduce", "all_gather"):
+            ring = comm.ring_traffic(op, numel, WORLD, 4)[0]
+            assert ring <= wire[op] <= 1.01 * ring, (op, wire[op], ring)  # + headers
+        # gloo's reduce-scatter is an all-reduce underneath: twice the ring's bytes
+        assert wire["reduce_scatter"] == wire["all_reduce"]
 
 
 def test_volumes_of_the_paper():
