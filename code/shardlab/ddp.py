@@ -34,6 +34,7 @@ PyTorch's own DDP: the reference the benchmark compares against.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import Precision
 from shardlab.train import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
                             check_options, named_full_parameters)
@@ -96,6 +98,8 @@ class _DataParallel(nn.Module):
         self.params = params_to_sync(module)
         self.require_sync = True
         self._finish_queued = False
+        # (what, rank-local start, end) in perf_counter seconds, when a timeline is wanted
+        self.events: list[tuple[str, float, float]] | None = None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -126,7 +130,13 @@ class _DataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._finish_queued = False
+        start = time.perf_counter()
         self.finish_backward()
+        self._event("wait for all-reduce", start, time.perf_counter())
+
+    def _event(self, what: str, start: float, end: float) -> None:
+        if self.events is not None:
+            self.events.append((what, start, end))
 
     def finish_backward(self) -> None:
         raise NotImplementedError
@@ -149,10 +159,12 @@ class NaiveDataParallel(_DataParallel):
 
     def finish_backward(self) -> None:
         for p in self.params:
+            start = time.perf_counter()
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             grad.div_(self.world)
             dist.all_reduce(grad)
             _keep_none_if_unused_everywhere(p, grad)
+            self._event("all-reduce", start, time.perf_counter())
 
 
 # ----------------------------------------------------------------------------- bucketed
@@ -232,9 +244,13 @@ class BucketedDataParallel(_DataParallel):
             self._start(bucket)
 
     def _start(self, bucket: Bucket) -> None:
+        start = time.perf_counter()
         bucket.buffer.div_(self.world)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_start += 1
+        if self.events is not None:  # it ends when the backend completes its future
+            bucket.work.get_future().then(
+                lambda _: self._event("all-reduce", start, time.perf_counter()))
 
     def finish_backward(self) -> None:
         # Parameters that took no part in this backward leave holes: fill them with
@@ -291,3 +307,36 @@ def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerS
         gradient_as_bucket_view=bool(opts["gradient_as_bucket_view"]))
     return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
                    no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+def timeline_worker(model: str = "gpt-small", version: str = "bucketed",
+                    bucket_mb: float = 1.0, steps: int = 3, batch_size: int = 8,
+                    seq_len: int = 32) -> list[tuple[str, float, float]]:
+    """Worker: time forward, backward compute and each all-reduce of the last of `steps`
+    steps, as (what, start, end) in seconds from that step's start on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(model)
+    ddp = (BucketedDataParallel(module, bucket_mb, first_bucket_mb=bucket_mb)
+           if version == "bucketed" else NaiveDataParallel(module))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = get_batch(step, rank, world, batch_size, seq_len)
+        ddp.events = []
+        t0 = time.perf_counter()
+        loss = loss_fn(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        t3 = time.perf_counter()
+        waited = [e for e in ddp.events if e[0] == "wait for all-reduce"]
+        backward_end = waited[0][1] if waited else t2
+        events = [("forward", t0, t1), ("backward", t1, backward_end),
+                  ("optimizer step", t2, t3)] + ddp.events
+    ddp.events = None
+    return sorted(((what, start - t0, end - t0) for what, start, end in events),
+                  key=lambda e: e[1])

@@ -306,6 +306,12 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
                      params, psi)
 
 
+def train_many(configs: list[TrainConfig]) -> list[RunReport]:
+    """Worker: several runs in one launch (same world size), one after the other. A
+    launch costs seconds of process start-up; a notebook comparing strategies pays it once."""
+    return [train_worker(c) for c in configs]
+
+
 def run(config: TrainConfig, *, backend: str = "auto", timeout: float = 600.0,
         progress: bool = False) -> list[RunReport]:
     """Train `config` on `config.world` ranks (one for "single", which always runs on one
