@@ -14,9 +14,10 @@ Three things live here, because they are one idea: *what a collective costs*.
    inside it: the ring collectives above (they record themselves, once, without their
    inner send/recv) and every native `torch.distributed` collective, whoever calls it:
    our code, PyTorch's DDP (its C++ reducer), `ZeroRedundancyOptimizer`, `fully_shard`.
-   Native collectives are seen by a `TorchDispatchMode` that watches the `c10d` operators,
-   which is where every caller ends up. The mode is thread-local state that autograd
-   carries into backward, so collectives launched from backward hooks are recorded too.
+   Native collectives are seen where every caller ends up, at the `c10d` operators of
+   torch's dispatcher: a Python kernel registered for them records each call and passes
+   it on. That holds on any thread, so collectives launched from backward hooks and from
+   DDP's C++ reducer are recorded too.
 
    For a native collective, `sent_bytes`/`received_bytes` are what the *ring algorithm*
    would move for it on this rank, not what the backend did: the backend does not tell.
@@ -41,11 +42,10 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # ----------------------------------------------------------------------------- the shim
 
@@ -328,10 +328,6 @@ def ring_broadcast(tensor: torch.Tensor, src: int = 0, group=None,
 
 # ----------------------------------------------------------------------------- the ledger
 
-c10d = torch.ops.c10d
-functional = torch.ops._c10d_functional
-
-
 def _numel(tensors) -> int:
     if isinstance(tensors, torch.Tensor):
         return tensors.numel()
@@ -342,77 +338,98 @@ def _first(tensors) -> torch.Tensor:
     return tensors if isinstance(tensors, torch.Tensor) else _first(tensors[0])
 
 
-def _group(obj):
-    """The ProcessGroup behind a dispatcher argument (a boxed group or a group name)."""
-    if isinstance(obj, torch.ScriptObject):
-        return dist.ProcessGroup.unbox(obj)
-    return torch._C._distributed_c10d._resolve_process_group(obj)
-
-
-# c10d operator -> (name, tensors that give the dtype, logical numel, group, src)
+# c10d operator -> arguments -> (name, tensors that give the dtype, logical numel, boxed
+# process group, source rank). Every torch.distributed collective, whoever calls it (and
+# the functional collectives of torch.compile and DTensor, which lower to these), ends up
+# as one of these operators.
 _NATIVE = {
-    c10d.allreduce_: lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
-    c10d.allreduce_coalesced_: lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
-    c10d._allgather_base_: lambda a: ("all_gather", a[1], a[0].numel(), a[2], 0),
-    c10d.allgather_: lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
-    c10d.allgather_coalesced_: lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
-    c10d.allgather_into_tensor_coalesced_:
-        lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
-    c10d._reduce_scatter_base_: lambda a: ("reduce_scatter", a[1], a[1].numel(), a[2], 0),
-    c10d.reduce_scatter_: lambda a: ("reduce_scatter", a[0], _numel(a[1]), a[2], 0),
-    c10d.reduce_scatter_tensor_coalesced_:
+    "allreduce_": lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
+    "allreduce_coalesced_": lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
+    "_allgather_base_": lambda a: ("all_gather", a[1], a[0].numel(), a[2], 0),
+    "allgather_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    "allgather_coalesced_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    "allgather_into_tensor_coalesced_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    "_reduce_scatter_base_": lambda a: ("reduce_scatter", a[1], a[1].numel(), a[2], 0),
+    "reduce_scatter_": lambda a: ("reduce_scatter", a[0], _numel(a[1]), a[2], 0),
+    "reduce_scatter_tensor_coalesced_":
         lambda a: ("reduce_scatter", a[1], _numel(a[1]), a[2], 0),
-    c10d.broadcast_: lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
-    c10d.send: lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
-    c10d.recv_: lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
-    c10d.recv_any_source_: lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
-    functional.all_reduce: lambda a: ("all_reduce", a[0], a[0].numel(), a[2], 0),
-    functional.all_reduce_coalesced: lambda a: ("all_reduce", a[0], _numel(a[0]), a[2], 0),
-    functional.all_gather_into_tensor:
-        lambda a: ("all_gather", a[0], a[0].numel() * a[1], a[2], 0),
-    functional.all_gather_into_tensor_coalesced:
-        lambda a: ("all_gather", a[0], _numel(a[0]) * a[1], a[2], 0),
-    functional.reduce_scatter_tensor:
-        lambda a: ("reduce_scatter", a[0], a[0].numel(), a[3], 0),
-    functional.reduce_scatter_tensor_coalesced:
-        lambda a: ("reduce_scatter", a[0], _numel(a[0]), a[3], 0),
-    functional.broadcast: lambda a: ("broadcast", a[0], a[0].numel(), a[2], a[1]),
+    "broadcast_": lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
+    "send": lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
+    "recv_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
+    "recv_any_source_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
 }
 
 
-class _CollectiveSpy(TorchDispatchMode):
-    """Sees every c10d operator dispatched on this thread (and in its backward)."""
+def _record_native(describe, args) -> Callable:
+    """Record one native collective; return what to do with its result (time it)."""
+    name, tensors, numel, boxed_group, src = describe(args)
+    group = dist.ProcessGroup.unbox(boxed_group)
+    world, rank = group.size(), group.rank()
+    size = _first(tensors).element_size()
+    sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank, src)
+    start = time.perf_counter()
+    records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received, 0.0,
+                    world, rounds, round_bytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        describe = _NATIVE.get(func._overloadpacket)
-        if describe is None or getattr(_local, "depth", 0) or not _ACTIVE:
-            return func(*args, **kwargs)
-        name, tensors, numel, group_arg, src = describe(args)
-        group = _group(group_arg)
-        world, rank = group.size(), group.rank()
-        size = _first(tensors).element_size()
-        sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank,
-                                                           src)
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received,
-                        time.perf_counter() - start, world, rounds, round_bytes)
+    def finished(out):
+        elapsed = time.perf_counter() - start
+        for record in records:
+            record.seconds = elapsed  # the launch; replaced by the completion if we can
         work = out[-1] if isinstance(out, tuple) else out
-        if isinstance(work, torch.ScriptObject):
-            try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
-                future = dist.Work.unbox(work).get_future()
-            except RuntimeError:  # gloo's send/recv give no future: keep the launch time
-                return out
+        if not isinstance(work, torch.ScriptObject):
+            return
+        try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
+            future = dist.Work.unbox(work).get_future()
+        except RuntimeError:  # gloo's send/recv give no future: keep the launch time
+            return
 
-            def finished(_, records=records):
-                for record in records:
-                    record.seconds = time.perf_counter() - start
+        def completed(_):
+            for record in records:
+                record.seconds = time.perf_counter() - start
 
-            pending = future.then(finished)
-            for ledger in _ACTIVE:
-                ledger._pending.append(pending)
+        pending = future.then(completed)
+        for ledger in _ACTIVE:
+            ledger._pending.append(pending)
+
+    return finished
+
+
+def _watching_kernel(op, describe):
+    """A kernel for `op` at the BackendSelect key: record, then run the real kernel."""
+    below = torch._C.DispatchKey.BackendSelect
+
+    def kernel(keyset, *args, **kwargs):
+        if not _ACTIVE or getattr(_local, "depth", 0):
+            return op.redispatch(keyset.remove(below), *args, **kwargs)
+        finished = _record_native(describe, args)
+        out = op.redispatch(keyset.remove(below), *args, **kwargs)
+        finished(out)
         return out
+
+    return kernel
+
+
+_watch_library = None
+
+
+def _watch_native_collectives() -> None:
+    """Route every c10d collective through a Python kernel that records it, once.
+
+    Why a kernel at the BackendSelect dispatch key, and not a TorchDispatchMode: every
+    operator call passes BackendSelect (it is always in the dispatch key set) and only
+    the c10d operators have a kernel there, so the cost is paid per collective, not per
+    tensor operation (a dispatch mode sends every aten op through Python, which doubles
+    the step time of a small model). And it holds for every thread: DDP's C++ reducer and
+    the hooks that run inside autograd's backward are caught like any other caller.
+    """
+    global _watch_library
+    if _watch_library is not None:
+        return
+    library = torch.library.Library("c10d", "IMPL")
+    for name, describe in _NATIVE.items():
+        op = getattr(torch.ops.c10d, name).default
+        library.impl(name, _watching_kernel(op, describe), "BackendSelect", with_keyset=True)
+    _watch_library = library  # kept alive: the kernels last as long as the library object
 
 
 class Ledger:
@@ -427,17 +444,14 @@ class Ledger:
         self.records: list[CollectiveRecord] = []
         self.step = 0
         self._pending: list[torch.futures.Future] = []
-        self._spy: _CollectiveSpy | None = None
 
     def __enter__(self) -> "Ledger":
-        self._spy = _CollectiveSpy()
-        self._spy.__enter__()
+        _watch_native_collectives()
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.remove(self)
-        self._spy.__exit__(exc_type, exc, tb)
         if exc_type is None:  # fill in the times of collectives still in flight
             for pending in self._pending:
                 pending.wait()
