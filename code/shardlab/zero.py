@@ -40,7 +40,9 @@ skip it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -51,9 +53,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
-from shardlab.precision import MasterWeightOptimizer, Precision
-from shardlab.train import (OptimizerSpec, Wrapped, cast_model, check_options,
-                            named_full_parameters)
+from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.precision import MasterWeightOptimizer, Precision, get_precision
+from shardlab.train import (OptimizerSpec, Wrapped, cast_model, check_options, get_strategy,
+                            named_full_parameters, optimizer_spec)
 
 # Options of wrap_zero1 / wrap_zero2, with their defaults.
 ZERO_OPTIONS: dict[str, Any] = {
@@ -84,6 +87,7 @@ class Bucket:
     offsets: list[int]          # where each parameter starts inside the bucket
     numel: int                  # real elements
     padded_numel: int           # numel rounded up to a multiple of N
+    index: int = 0              # its place in the group, in model order
     start: int = 0              # where the bucket starts in the group's flat buffer
     shard_start: int = 0        # where my chunk starts in the group's gradient shard
     waiting: set[int] = field(default_factory=set)   # stage 2: params without a gradient
@@ -117,7 +121,8 @@ def fill_buckets(group: int, params: list[nn.Parameter], world: int,
         members = members[::-1]
         offsets = [sum(p.numel() for p in members[:i]) for i in range(len(members))]
         numel = sum(p.numel() for p in members)
-        result.append(Bucket(group, members, offsets, numel, padded_size(numel, world)))
+        result.append(Bucket(group, members, offsets, numel, padded_size(numel, world),
+                             index=len(result)))
     return result
 
 
@@ -204,6 +209,9 @@ class ZeroOptimizer:
     stage 2 reduces its buckets; every rank must reduce them in the same order.
     """
 
+    # Set to a list to record the schedule: (seconds, what, bucket, "start" | "end").
+    events: list | None = None
+
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  *, stage: int = 1, master_weights: bool = False,
                  bucket_numel: int = ZERO_OPTIONS["bucket_numel"], process_group=None,
@@ -257,7 +265,8 @@ class ZeroOptimizer:
             for b, shard in zip(g.buckets, g.shards):
                 c = b.chunk_numel(self.world)
                 shard.grad = grad[b.shard_start:b.shard_start + c].to(shard.dtype)
-        self.optimizer.step()
+        with self.traced("optimizer step"):
+            self.optimizer.step()
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
                 shard.grad = None  # stage 1's reduced gradient was a temporary
@@ -291,6 +300,15 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ collectives
 
+    @contextlib.contextmanager
+    def traced(self, what: str, bucket: int = -1):
+        """Record the span of `what` in `events` (when it is a list), for timelines."""
+        if self.events is not None:
+            self.events.append((time.perf_counter(), what, bucket, "start"))
+        yield
+        if self.events is not None:
+            self.events.append((time.perf_counter(), what, bucket, "end"))
+
     def reduce_scatter_grads(self, g: FlatGroup) -> torch.Tensor:
         """Stage 1: my chunks of the gradients averaged over the ranks, one reduce-scatter
         per bucket, straight out of the flat gradient buffer (no copy)."""
@@ -299,15 +317,18 @@ class ZeroOptimizer:
                                                   for b in g.buckets)])
         for b in g.buckets:
             c = b.chunk_numel(self.world)
-            reduce_scatter_into(grad[b.shard_start:b.shard_start + c], b.region(g.flat_grad),
-                                group=self.process_group)
+            with self.traced("reduce-scatter", b.index):
+                reduce_scatter_into(grad[b.shard_start:b.shard_start + c],
+                                    b.region(g.flat_grad), group=self.process_group)
         return grad.div_(self.world)
 
     def all_gather_params(self, g: FlatGroup) -> None:
         """Every rank's updated chunks into every rank's flat buffer, in place."""
         for b in g.buckets:
-            all_gather_into(b.region(g.flat_param), b.chunk(g.flat_param, self.rank, self.world),
-                            group=self.process_group)
+            with self.traced("all-gather", b.index):
+                all_gather_into(b.region(g.flat_param),
+                                b.chunk(g.flat_param, self.rank, self.world),
+                                group=self.process_group)
 
     @staticmethod
     def _attach_grads(g: FlatGroup) -> None:
@@ -385,7 +406,8 @@ class ZeroOptimizer:
             b.grad_buffer = torch.zeros_like(b.region(g.flat_param))
         c = b.chunk_numel(self.world)
         mine = torch.empty(c, dtype=b.grad_buffer.dtype, device=b.grad_buffer.device)
-        reduce_scatter_into(mine, b.grad_buffer, group=self.process_group)
+        with self.traced("reduce-scatter", b.index):
+            reduce_scatter_into(mine, b.grad_buffer, group=self.process_group)
         # add, not copy: gradient accumulation sums the micro-batches into the shard
         g.grad_shard[b.shard_start:b.shard_start + c].add_(mine.div_(self.world))
         b.grad_buffer = None
@@ -515,3 +537,37 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
     ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"])
     zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
     return Wrapped(ddp, zero, ddp.no_sync, lambda: named_full_parameters(model))
+
+
+# --------------------------------------------------------------------------- a worker
+
+
+def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int = 3,
+                      bucket_numel: int = 1 << 14, model: str = "gpt-tiny",
+                      batch_size: int = 8, seq_len: int = 32) -> dict[str, list[tuple]]:
+    """Run on every rank (with `shardlab.launch.launch`): train `steps` steps with each
+    strategy and return the schedule of the last one as (seconds from the step's start,
+    what, bucket, "start" | "end"): forward, backward, each bucket's reduce-scatter and
+    all-gather, and the optimizer step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timelines = {}
+    for strategy in strategies:
+        wrapped = get_strategy(strategy)(build_model(model, seed=0), get_precision("fp32"),
+                                         optimizer_spec("adamw", 1e-3),
+                                         {"bucket_numel": bucket_numel})
+        zero: ZeroOptimizer = wrapped.optimizer
+        for step in range(steps):
+            x, y = get_batch(step, rank, world, batch_size, seq_len)
+            zero.events = [] if step == steps - 1 else None
+            dist.barrier()  # start the step together, so that waits are the schedule's
+            start = time.perf_counter()
+            with zero.traced("forward"):
+                loss = loss_fn(wrapped.model(x), y)
+            with zero.traced("backward"):
+                loss.backward()
+            zero.step()
+            zero.zero_grad()
+        timelines[strategy] = [(t - start, what, bucket, edge)
+                               for t, what, bucket, edge in zero.events]
+        zero.events = None
+    return timelines
