@@ -20,7 +20,6 @@ within one bf16 ulp of the loss (2**-8 relative).
 from dataclasses import replace
 
 import pytest
-import torch
 
 import zero_workers as w
 from shardlab import memory
