@@ -140,6 +140,57 @@ def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
     return fig
 
 
+def per_rank_figure(groups: Sequence[dict], unit: str = "KB",
+                    categories: Sequence[str] = ("params", "grads", "optimizer")):
+    """Predicted beside measured for every rank of every run, stacked by category.
+
+    groups: dicts with "name" (a strategy and its stage, say), "measured" (one dict of
+    bytes by category per rank, in rank order) and "predicted" (one dict for all ranks,
+    or a list with one per rank). Each rank gets a pair of bars, the prediction hatched
+    on the left; the runs follow one another left to right, so the ZeRO stages read as a
+    staircase and a rank that differs from its prediction stands out.
+    """
+    plt = _pyplot()
+    bars, positions, centers, rank_labels, group_centers = [], [], [], [], []
+    x = 0.0
+    for group in groups:
+        measured = list(group["measured"])
+        predicted = group["predicted"]
+        predicted = list(predicted) if isinstance(predicted, (list, tuple)) else \
+            [predicted] * len(measured)
+        if len(predicted) != len(measured):
+            raise ValueError(f"{group['name']}: {len(predicted)} predictions for "
+                             f"{len(measured)} ranks; give one per rank, or one dict")
+        first = x
+        for rank, (p, m) in enumerate(zip(predicted, measured)):
+            bars += [p, m]
+            positions += [x - 0.21, x + 0.21]
+            centers.append(x)
+            rank_labels.append(f"r{rank}")
+            x += 1.0
+        group_centers.append(((first + x - 1.0) / 2, group["name"]))
+        x += 0.6  # a gap between runs
+    fig, ax = plt.subplots(figsize=(2.0 + 0.62 * len(centers) + 0.3 * len(groups), 4.2),
+                           dpi=90)
+    stacked_bars(ax, [""] * len(bars), bars, unit, categories, positions=positions,
+                 width=0.4, legend=False, hatched=range(0, len(bars), 2))
+    ax.set_xticks(centers)
+    ax.set_xticklabels(rank_labels, fontsize=8)
+    for center, name in group_centers:
+        ax.annotate(name, xy=(center, 0), xycoords=("data", "axes fraction"),
+                    xytext=(0, -22), textcoords="offset points", ha="center", va="top",
+                    fontsize=9)
+    from matplotlib.patches import Patch
+    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in categories]
+    handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//",
+                         label="predicted (hatched)"))
+    ax.legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("Per-rank bytes: predicted (hatched) beside measured, per rank and run",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def explorer(default_model: str = "llama-2-7b"):
     """Controls for model, precision, optimizer, N and stage, redrawing the stage figure.
     Needs a live kernel (ipywidgets); on a static page use `stages_animation`. Returns
@@ -178,4 +229,4 @@ def explorer(default_model: str = "llama-2-7b"):
 
 
 __all__ = ["stacked_bars", "draw_stages", "stages_figure", "stages_animation",
-           "predicted_vs_measured_figure", "explorer"]
+           "predicted_vs_measured_figure", "per_rank_figure", "explorer"]
