@@ -1,14 +1,24 @@
 """One training loop for every strategy, the strategy registry, and the run report.
 
-(The contract below is what every strategy module implements; the loop, the report and
-the command line are built on it.)
-
 A strategy is a function that takes the model every rank built identically and returns
 what the loop needs, so the loop stays the ordinary PyTorch one for all of them:
 
     wrapped = wrap(model, precision, optimizer_spec, options)
     loss = loss_fn(wrapped.model(x), y); loss.backward()
     wrapped.optimizer.step(); wrapped.optimizer.zero_grad()
+
+On top of that contract:
+
+* `TrainConfig` names a run (strategy, world size, model, precision, optimizer, steps,
+  batch, gradient accumulation, options) and `validate()` refuses what cannot run before
+  any process starts;
+* `train_worker(config)` is one rank's run: build the model (`shardlab.models`), wrap
+  it, train on this rank's rows of each global batch with the collective ledger
+  (`shardlab.comm`) open, measure model states and the last step's peak
+  (`shardlab.measure`), and return a `RunReport`;
+* `run(config)` launches `config.world` ranks (`shardlab.launch`: spawned processes, or
+  this process under torchrun) and returns their reports;
+* `main(argv)` is `python -m shardlab train`: a progress bar, a summary table, JSON.
 """
 
 from __future__ import annotations
@@ -216,20 +226,20 @@ def _progress_reporter(progress: str | None, steps: int):
     launching process reads to draw the bar (ranks' own output only comes back at the
     end), or nothing."""
     if progress is None:
-        return lambda step, loss: None, lambda: None
+        return lambda step, loss: None, lambda: None  # no .item(): no GPU sync per step
     if progress == "tqdm":
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, desc="train", unit="step")
 
         def update(step, loss):
-            bar.set_postfix({"loss on rank 0": f"{loss:.4f}"})
+            bar.set_postfix({"loss on rank 0": f"{loss.item():.4f}"})
             bar.update(1)
         return update, bar.close
     path = Path(progress)
 
     def write(step, loss):
         with path.open("a") as f:
-            f.write(f"{step} {loss:.6f}\n")
+            f.write(f"{step} {loss.item():.6f}\n")
     return write, lambda: None
 
 
@@ -285,7 +295,7 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             if ledger is not None and not last:
                 ledger.mark_step()
             local_losses.append(step_loss)
-            update_progress(step, step_loss.item())
+            update_progress(step, step_loss)
         if tracked is not None:
             peak = {"total": int(tracked.bytes), **{k: int(v) for k, v in
                                                      tracked.by_category.items()}}
