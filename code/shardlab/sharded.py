@@ -192,6 +192,7 @@ class ShardedUnit:
         self.device = device or torch.device("cpu")  # where forward and backward compute
         self.state = ShardedState.SHARDED
         self.pending_gather = None           # (work, buffer) of an all-gather in flight
+        self.pending_reduce = None           # (work, input, output) of a reduce-scatter
         self.unsharded_params: list[nn.Parameter] = []
         self.forward_prefetch: list[ShardedUnit] = []
         self.backward_prefetch: list[ShardedUnit] = []
@@ -316,11 +317,21 @@ class ShardedUnit:
         self.reshard()
 
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Start the reduce-scatter; the end of backward waits for it (`finish_reduce`), so
+        it runs while the units before this one compute their backward."""
         full = self.reduce_scatter_input(grads)
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
         _trace(self, "reduce-scatter", "start")
-        reduce_scatter_into(reduced, full, group=self.group)
-        _trace(self, "reduce-scatter", "end")
+        work = reduce_scatter_into(reduced, full, group=self.group, async_op=True)
+        _trace_completion(self, "reduce-scatter", work)
+        self.pending_reduce = (work, full, reduced)  # `full` must live until it is done
+
+    def finish_reduce(self) -> None:
+        if self.pending_reduce is None:
+            return
+        work, _, reduced = self.pending_reduce
+        work.wait()
+        self.pending_reduce = None
         reduced.div_(self.world)  # the mean over ranks of the per-rank mean losses
         self.add_sharded_grads(reduced)
 
@@ -686,6 +697,7 @@ class ShardedModel:
         for unit in reversed(self.forward_order):
             unit.post_backward()
         for unit in self.units:
+            unit.finish_reduce()
             unit.reshard()
         self.callback_queued = False
         self.last_order = list(self.forward_order)
