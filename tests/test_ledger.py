@@ -68,6 +68,17 @@ def record_everything() -> dict[str, list]:
             request.wait()
     out["native"] = ledger.records
 
+    with comm.Ledger() as ledger:  # list and coalesced forms: one record per collective
+        dist.all_gather([torch.empty(4) for _ in range(WORLD)], torch.ones(4))
+        dist.reduce_scatter(torch.empty(4), [torch.ones(4) for _ in range(WORLD)])
+        with dist._coalescing_manager():
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(8))
+        with dist._coalescing_manager():
+            comm.all_gather_into(torch.empty(4 * WORLD), torch.ones(4))
+            comm.all_gather_into(torch.empty(2 * WORLD), torch.ones(2))
+    out["coalesced"] = ledger.records
+
     # A collective launched by a hook inside backward (as any data-parallel code does).
     model = small_model()
     for p in model.parameters():
@@ -152,6 +163,15 @@ def test_native_calls_are_recorded_with_ring_bytes(recorded):
         assert (send.sent_bytes, send.received_bytes) == (48, 0)
         assert (recv.sent_bytes, recv.received_bytes) == (0, 48)
         assert all(r.seconds > 0 and not math.isnan(r.seconds) for r in records)
+
+
+def test_list_and_coalesced_forms_are_one_record_each(recorded):
+    for sections in recorded:
+        got = [(r.op, r.numel, r.sent_bytes) for r in sections["coalesced"]]
+        assert got == [("all_gather", 4 * WORLD, (WORLD - 1) * 16),
+                       ("reduce_scatter", 4 * WORLD, (WORLD - 1) * 16),
+                       ("all_reduce", 12, 2 * (WORLD - 1) * 3 * 4),
+                       ("all_gather", 6 * WORLD, (WORLD - 1) * 24)]
 
 
 def test_collectives_from_backward_hooks_are_recorded(recorded):
