@@ -74,16 +74,18 @@ def _trace(unit, what: str, edge: str) -> None:
         TRACE.append((time.perf_counter(), unit.name, what, edge))
 
 
-def _trace_completion(unit, what: str, work) -> None:
-    """Mark the end of a collective when the backend finishes it, not when it is waited."""
+def _trace_completion(unit, what: str, work) -> bool:
+    """Mark the end of a collective when the backend finishes it, not when it is waited.
+    False if the backend cannot say (gloo's reduce-scatter): the waiter marks it then."""
     if TRACE is None:
-        return
+        return True
     events = TRACE
     try:
         work.get_future().then(lambda _: events.append(
             (time.perf_counter(), unit.name, what, "end")))
     except RuntimeError:
-        pass
+        return False
+    return True
 
 
 class ShardedState(enum.Enum):
@@ -323,14 +325,16 @@ class ShardedUnit:
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
         _trace(self, "reduce-scatter", "start")
         work = reduce_scatter_into(reduced, full, group=self.group, async_op=True)
-        _trace_completion(self, "reduce-scatter", work)
-        self.pending_reduce = (work, full, reduced)  # `full` must live until it is done
+        timed = _trace_completion(self, "reduce-scatter", work)
+        self.pending_reduce = (work, full, reduced, timed)  # `full` lives until it is done
 
     def finish_reduce(self) -> None:
         if self.pending_reduce is None:
             return
-        work, _, reduced = self.pending_reduce
+        work, _, reduced, timed = self.pending_reduce
         work.wait()
+        if not timed:
+            _trace(self, "reduce-scatter", "end")
         self.pending_reduce = None
         reduced.div_(self.world)  # the mean over ranks of the per-rank mean losses
         self.add_sharded_grads(reduced)
