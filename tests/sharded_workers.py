@@ -223,9 +223,13 @@ def helper_checks() -> dict:
 
 
 def suite(parity: list[dict] = (), sizes: list[dict] = (), errors: list[str] = (),
-          helpers: bool = False, steps: int = 10) -> dict:
-    """Everything one test file checks on one world size, in one launch."""
+          helpers: bool = False, train: list = (), steps: int = 10) -> dict:
+    """Everything one test file checks on one world size, in one launch; `train` are
+    `shardlab.train.TrainConfig`s run by the course's own loop."""
+    from shardlab.train import train_worker
+
     return {"parity": parity_cases(list(parity), steps) if parity else [],
             "bytes": bytes_cases(list(sizes)) if sizes else [],
             "errors": error_cases(list(errors)) if errors else {},
-            "helpers": helper_checks() if helpers else {}}
+            "helpers": helper_checks() if helpers else {},
+            "train": [train_worker(c) for c in train]}

@@ -20,6 +20,7 @@ import pytest
 import sharded_workers as w
 from shardlab.launch import launch
 from shardlab.memory import model_states
+from shardlab.train import TrainConfig
 
 STEPS = 10
 LR = w.OPTIMIZERS["adamw"].kwargs["lr"]
@@ -46,7 +47,8 @@ ERRORS = ["zero3-policy-misses-a-parameter", "zero3-differs-across-ranks"]
 def results():
     return {
         3: launch(w.suite, 3, parity=ZERO3, sizes=SIZES, errors=ERRORS, steps=STEPS,
-                  backend="gloo"),
+                  backend="gloo", train=[TrainConfig(strategy="zero3", world=3, batch_size=12,
+                                                     precision="bf16-mixed", steps=4)]),
         2: launch(w.suite, 2, parity=ZERO3[:3] + ZERO3[-1:], steps=STEPS, backend="gloo"),
         4: launch(w.suite, 4, parity=ZERO3[:1], sizes=SIZES[:1], steps=STEPS,
                   backend="gloo"),
@@ -139,3 +141,16 @@ def test_zero3_refuses_unknown_options():
     with pytest.raises(ValueError, match="prefetch"):
         wrap_zero3(None, get_precision("fp32"), w.OPTIMIZERS["adamw"], {"prefech": True})
 
+
+
+def test_the_training_loop_reports_zero3_bytes(results):
+    """Through `shardlab.train`: the report's bytes held and moved on 3 ranks (padding)."""
+    padded = results[3][0]["bytes"][0]["padded_psi"]
+    for rank_result in results[3]:
+        report = rank_result["train"][0]
+        predicted = model_states(padded, 3, 3, "bf16-mixed", "adamw")
+        assert report.state_bytes["params"] == predicted.params
+        assert report.state_bytes["grads"] == predicted.grads
+        for step in (1, 2):
+            moved = sum(r.logical_bytes for r in report.ledger if r.step == step)
+            assert moved == 3 * padded * 2  # bf16 all-gathers and reduce-scatters
