@@ -27,7 +27,7 @@ from shardlab.launch import launch
 from shardlab.models import build_model
 from shardlab.precision import get_precision
 from shardlab.train import TrainConfig, optimizer_spec
-from shardlab.zero import wrap_zero1, wrap_zero2
+from shardlab.zero import schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout
 STEP_COUNTER_BYTES = 4  # Adam's `step`: a 0-dim fp32 tensor per stepped tensor
@@ -197,3 +197,25 @@ def test_bad_options_are_refused_before_any_collective(wrap, options, words):
     with pytest.raises(ValueError) as info:
         wrap(model, get_precision("fp32"), optimizer_spec("adamw", 1e-3), options)
     assert all(word in str(info.value) for word in words)
+
+
+def test_schedule_zero1_reduces_in_step_zero2_during_backward():
+    """ZeRO-1's reduce-scatters come after backward; ZeRO-2's start while backward is
+    still running; both all-gather only after the optimizer step."""
+    timelines = launch(schedule_timeline, 2, ("zero1", "zero2"), 2, 4096)[0]
+    for name, events in timelines.items():
+        first = {what: min(t for t, w, _, e in events if w == what and e == "start")
+                 for what in ("reduce-scatter", "all-gather", "optimizer step")}
+        backward_end = max(t for t, w, _, e in events if w == "backward" and e == "end")
+        step_end = max(t for t, w, _, e in events if w == "optimizer step" and e == "end")
+        assert first["all-gather"] >= step_end, name
+        buckets = {b for _, w, b, _ in events if w == "reduce-scatter"}
+        assert len(buckets) > 2 and buckets == {b for _, w, b, _ in events if w == "all-gather"}
+        if name == "zero1":
+            assert backward_end <= first["reduce-scatter"] <= first["optimizer step"]
+            assert not any(w == "gradient into bucket" for _, w, _, _ in events)
+        else:  # gradients keep arriving after the first bucket was reduce-scattered
+            first_end = min(t for t, w, _, e in events if w == "reduce-scatter" and e == "end")
+            assert any(t > first_end for t, w, _, e in events
+                       if w == "gradient into bucket" and e == "start")
+            assert first["reduce-scatter"] < backward_end

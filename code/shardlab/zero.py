@@ -380,9 +380,10 @@ class ZeroOptimizer:
         # The previous full gradient goes now, not in its own hook: hooks registered later
         # (a memory tracker's) must still find it.
         self._free_full_grads()
-        if b.grad_buffer is None:
-            b.grad_buffer = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
-        b.grad_buffer[b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
+        with self.traced("gradient into bucket", b.index):
+            if b.grad_buffer is None:
+                b.grad_buffer = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+            b.grad_buffer[b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
         b.waiting.discard(i)
         self._to_free.append(p)
         self._reduce_ready_buckets()
