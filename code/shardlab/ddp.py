@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from shardlab.launch import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import Precision
 from shardlab.train import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
@@ -184,6 +185,7 @@ class Bucket:
             offset += p.numel()
         self.ready: set[nn.Parameter] = set()
         self.work = None  # the async all-reduce, once started
+        self.timed = None  # the callback that records its end, on a timeline
 
     @property
     def nbytes(self) -> int:
@@ -249,7 +251,7 @@ class BucketedDataParallel(_DataParallel):
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_start += 1
         if self.events is not None:  # it ends when the backend completes its future
-            bucket.work.get_future().then(
+            bucket.timed = bucket.work.get_future().then(
                 lambda _: self._event("all-reduce", start, time.perf_counter()))
 
     def finish_backward(self) -> None:
@@ -262,6 +264,9 @@ class BucketedDataParallel(_DataParallel):
             self._start(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.timed is not None:  # the end is recorded before backward returns
+                bucket.timed.wait()
+                bucket.timed = None
             for p in bucket.params:
                 if p not in bucket.ready:
                     _keep_none_if_unused_everywhere(p, bucket.slots[p])
@@ -318,21 +323,28 @@ def timeline_worker(model: str = "gpt-small", version: str = "bucketed",
     """Worker: time forward, backward compute and each all-reduce of the last of `steps`
     steps, as (what, start, end) in seconds from that step's start on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(model)
+    device = rank_device()
+    module = build_model(model).to(device)
     ddp = (BucketedDataParallel(module, bucket_mb, first_bucket_mb=bucket_mb)
            if version == "bucketed" else NaiveDataParallel(module))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def now() -> float:  # on a GPU, a time is only meaningful once the queued work is done
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     for step in range(steps):
-        x, y = get_batch(step, rank, world, batch_size, seq_len)
+        x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size, seq_len))
         ddp.events = []
-        t0 = time.perf_counter()
+        t0 = now()
         loss = loss_fn(ddp(x), y)
-        t1 = time.perf_counter()
+        t1 = now()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = now()
         optimizer.step()
         optimizer.zero_grad()
-        t3 = time.perf_counter()
+        t3 = now()
         waited = [e for e in ddp.events if e[0] == "wait for all-reduce"]
         backward_end = waited[0][1] if waited else t2
         events = [("forward", t0, t1), ("backward", t1, backward_end),
