@@ -66,7 +66,7 @@ def test_an_exception_names_the_rank_and_stops_the_others():
 
 def test_a_hang_is_ended_by_the_timeout():
     with pytest.raises(LaunchTimeout) as info:
-        launch(w.hang_on, 3, 1, timeout=8)
+        launch(w.hang_on, 3, 1, timeout=20)
     assert info.value.unfinished == [1]
     assert "ranks [1] had not finished" in str(info.value)
 
