@@ -173,6 +173,17 @@ class TrainConfig:
     measure_memory: bool = True
     record_ledger: bool = True
     keep_params: bool = False
+    # Checkpoints (shardlab.checkpoint): save after every `save_every` steps into
+    # `checkpoint_dir`; `resume`: True for the newest complete checkpoint there, or the
+    # path of one (it may come from another world size); then train up to `steps`.
+    save_every: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool | str = False
+    # A full, unsharded state dict written by rank 0 after training (torch.save).
+    export_path: str | None = None
+    # To rehearse a failure: rank `crash_rank` raises at the start of step `crash_at_step`.
+    crash_at_step: int | None = None
+    crash_rank: int = 0
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -188,6 +199,16 @@ class TrainConfig:
         check_batch_split(self.batch_size, self.world, self.grad_accum)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) \
+                or self.save_every < 0:
+            raise ValueError(f"save_every must be a whole number >= 0 (0: never), got "
+                             f"{self.save_every!r}")
+        if (self.save_every or self.resume is True) and not self.checkpoint_dir:
+            raise ValueError("save_every and resume=True need checkpoint_dir, the folder "
+                             "that holds the checkpoints")
+        if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
+            raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
+                             f"got {self.crash_rank!r}")
         return self
 
 
@@ -211,6 +232,7 @@ class RunReport:
     step_times: list[float]
     params: dict[str, torch.Tensor] | None = None
     psi: int = 0  # trainable parameters of the model (each tied weight once)
+    first_step: int = 0  # > 0 when resumed: losses[i] is the loss of step first_step + i
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -261,15 +283,18 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
     wrapped = get_strategy(config.strategy)(model, precision,
                                             optimizer_spec(config.optimizer, config.lr),
                                             dict(config.options))
+    first_step = _resume(config, wrapped)
     update_progress, close_progress = _progress_reporter(progress if rank == 0 else None,
-                                                         config.steps)
+                                                         config.steps - first_step)
     ledger = _ledger_or_nothing(config.record_ledger)
     local_losses, step_times = [], []
     sizes: dict[str, int] = {}
     peak: dict[str, int] = {}
     tracked = None
     with ledger if ledger is not None else contextlib.nullcontext():
-        for step in range(config.steps):
+        for step in range(first_step, config.steps):
+            if step == config.crash_at_step and rank == config.crash_rank:
+                raise RuntimeError(f"rank {rank} crashed at step {step} (crash_at_step)")
             last = step == config.steps - 1
             tracker = (track_peak(wrapped.model, wrapped.optimizer)
                        if last and config.measure_memory else contextlib.nullcontext())
@@ -292,6 +317,8 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
+            if config.save_every and (step + 1) % config.save_every == 0:
+                _save(config, step + 1, wrapped, ledger)
             if ledger is not None and not last:
                 ledger.mark_step()
             local_losses.append(step_loss)
@@ -303,7 +330,7 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
     # The global-batch loss: the mean of the ranks' means (equal row counts). Reduced
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
     # and nothing else.
-    losses = torch.stack(local_losses).float()
+    losses = (torch.stack(local_losses) if local_losses else torch.zeros(0)).float()
     if distributed and world > 1:
         dist.all_reduce(losses)
         losses /= world
@@ -311,9 +338,35 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
     if config.keep_params:
         full = wrapped.full_parameters or (lambda: named_full_parameters(wrapped.model))
         params = {k: v.detach().cpu().clone() for k, v in full().items()}
+    if config.export_path:
+        from shardlab.checkpoint import export_full_state_dict
+        export_full_state_dict(wrapped, config.export_path, config.model, config.seed)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
-                     params, psi)
+                     params, psi, first_step)
+
+
+def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
+    """Load the checkpoint `config.resume` names; return the step to continue from."""
+    if not config.resume:
+        return 0
+    from shardlab import checkpoint
+    folder = (checkpoint.latest(config.checkpoint_dir) if config.resume is True
+              else Path(config.resume))
+    if folder is None:
+        raise ValueError(f"no complete checkpoint in {config.checkpoint_dir}: train with "
+                         f"save_every first, or resume=False")
+    return checkpoint.load(folder, wrapped)
+
+
+def _save(config: TrainConfig, step: int, wrapped: Wrapped, ledger: Ledger | None) -> None:
+    from shardlab import checkpoint
+    kept = len(ledger.records) if ledger is not None else 0
+    checkpoint.save(config.checkpoint_dir, step, wrapped,
+                    {"strategy": config.strategy, "model": config.model,
+                     "precision": config.precision})
+    if ledger is not None:  # the ledger holds the strategy's traffic, not the save's
+        del ledger.records[kept:]
 
 
 def train_many(configs: list[TrainConfig]) -> list[RunReport]:

@@ -1,0 +1,473 @@
+"""Checkpoints of sharded state: every rank writes its own shards, any world size reads them.
+
+A checkpoint is PyTorch's distributed checkpoint (`torch.distributed.checkpoint`, DCP):
+one folder, one file of shards per rank, written in parallel, and a `.metadata` file
+(written by rank 0) that says which bytes of which file hold which piece of which tensor.
+DCP can read a piece back into any other cut of the same tensor, as long as every tensor
+is described by its *global* shape and the piece this rank holds.
+
+So the question for each strategy is only: what global tensor does this rank hold a
+piece of? The answer is the same for all of them, the flattened 1-D view of each
+original parameter (and of each of its optimizer states):
+
+    ZeRO-1/2   a bucket's chunk holds the end of one parameter and the start of the next:
+               rank r holds [a, b) of each parameter it touches
+    ZeRO-3     the same, over a unit's flat buffer
+    FSDP2      rank r holds rows [r*R, (r+1)*R) of dim 0, which is the contiguous range
+               [r*R*cols, (r+1)*R*cols) of the flattened parameter
+    DDP        every rank holds [0, numel) (a replicated tensor, saved once)
+
+Each piece becomes a `ShardedTensor` with one shard `[a, b)` of a 1-D tensor of `numel`
+elements, keyed by the parameter's original name: the padding of flat buffers and of
+dim-0 chunks never reaches the file, so a checkpoint saved by one strategy on N ranks
+loads into any of these strategies on any number of ranks. `torch-fsdp2` (PyTorch's
+`fully_shard`) uses PyTorch's own `get_state_dict` / `set_state_dict` (DTensors).
+
+Keys: `model.<name>`, `optim.<name>.<state>` (Adam's `exp_avg`, `exp_avg_sq`, `step`),
+`optim.<name>.master` (fp32 master weights of "bf16-mixed"), `buffer.<name>`,
+`rng.rank<r>` and `progress.step` (the next step to run: the data position, since
+`get_batch` is a function of the step).
+
+Saves are atomic: every rank writes into `step-000012.tmp/`; after a barrier rank 0
+writes the completion marker and renames the folder to `step-000012/`. `latest()`
+takes only complete folders, so a save cut short is never resumed from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                              TensorProperties)
+
+MARKER = "COMPLETE"  # written last, inside the folder, before it gets its final name
+
+
+@contextlib.contextmanager
+def _quiet_sharded_tensor():
+    # ShardedTensor warns that it is deprecated in favour of DTensor on every use. DTensor
+    # describes only torch.chunk-style even cuts, not the arbitrary [a, b) ranges a flat
+    # ZeRO buffer gives a parameter, which is what the file must describe.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead",
+                                category=FutureWarning)
+        yield
+
+
+# ============================================================================ the layout
+
+
+@dataclass
+class Piece:
+    """This rank's piece [start, stop) of the flattened parameter `name`.
+
+    `tensor` is a 1-D view of the live storage holding it (so loading writes straight into
+    the model); `ranges` gives every rank's (rank, start, stop), or None when every rank
+    holds the whole parameter. `opt_param` is the tensor the optimizer keys its state by
+    (a flat shard, a chunk, or the parameter itself; None when frozen), and the piece
+    starts at `opt_offset` in it."""
+
+    name: str
+    numel: int
+    start: int
+    stop: int
+    tensor: torch.Tensor
+    ranges: list[tuple[int, int, int]] | None
+    opt_param: torch.Tensor | None
+    opt_offset: int = 0
+
+
+def _clip(lo: int, hi: int, a: int, b: int) -> tuple[int, int] | None:
+    """[lo, hi) ∩ [a, b), relative to lo; None when empty."""
+    s, e = max(lo, a), min(hi, b)
+    return (s - lo, e - lo) if e > s else None
+
+
+def _owned(lo: int, hi: int, chunk_start, world: int) -> list[tuple[int, int, int]]:
+    """Every rank's part of the parameter at [lo, hi) of a buffer where rank r owns
+    [chunk_start(r), chunk_start(r + 1))."""
+    out = []
+    for r in range(world):
+        part = _clip(lo, hi, chunk_start(r), chunk_start(r + 1))
+        if part is not None:
+            out.append((r, *part))
+    return out
+
+
+def _mine(ranges, rank):
+    return next(((a, b) for r, a, b in ranges if r == rank), None)
+
+
+def pieces(wrapped) -> list[Piece]:
+    """This rank's pieces of every parameter, for any of the course's strategies."""
+    from shardlab.sharded import FlatUnit, PerParamUnit
+    from shardlab.zero import ZeroOptimizer
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharding = getattr(wrapped, "sharding", None)
+    optimizer = wrapped.optimizer
+    if isinstance(optimizer, ZeroOptimizer):
+        return _zero_pieces(wrapped.model, optimizer, rank, world)
+    if sharding is not None and all(isinstance(u, FlatUnit) for u in sharding.units):
+        return _flat_unit_pieces(sharding.units, optimizer, rank, world)
+    if sharding is not None and all(isinstance(u, PerParamUnit) for u in sharding.units):
+        return _per_param_pieces(sharding.units, rank, world)
+    if type(optimizer).__name__ == "TorchZero1":
+        raise ValueError("torch-zero1 keeps its optimizer state whole per owner rank; "
+                         "checkpoint zero1 (the same sharding) instead")
+    return _replicated_pieces(_unwrap(wrapped.model), optimizer)
+
+
+def parameter_names(wrapped) -> set[str]:
+    """The original names of all the model's parameters (each tied weight once)."""
+    sharding = getattr(wrapped, "sharding", None)
+    if sharding is not None:
+        return {s.name for u in sharding.units for s in u.slots}
+    return {n for n, _ in _unwrap(wrapped.model).named_parameters()}
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel keeps it in .module
+
+
+def _masters(optimizer) -> dict[int, torch.Tensor]:
+    """id(parameter) -> its fp32 master copy, when the optimizer keeps them."""
+    return {id(p): m for p, m in getattr(optimizer, "pairs", [])}
+
+
+def _zero_pieces(model, zero, rank, world) -> list[Piece]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in zero.groups:
+        for b, shard in zip(g.buckets, g.shards):
+            c = b.chunk_numel(world)
+            for p, offset in zip(b.params, b.offsets):
+                lo = b.start + offset
+                ranges = _owned(lo, lo + p.numel(), lambda r: b.start + r * c, world)
+                mine = _mine(ranges, rank)
+                if mine is None:
+                    continue
+                a, z = mine
+                out.append(Piece(names[id(p)], p.numel(), a, z, g.flat_param[lo + a:lo + z],
+                                 ranges, shard, lo + a - (b.start + rank * c)))
+    trained = {id(p) for g in zero.groups for b in g.buckets for p in b.params}
+    out += [Piece(n, p.numel(), 0, p.numel(), p.detach().reshape(-1), None, None)
+            for n, p in model.named_parameters() if id(p) not in trained]
+    return out
+
+
+def _flat_unit_pieces(units, optimizer, rank, world) -> list[Piece]:
+    masters = _masters(optimizer)
+    out = []
+    for u in units:
+        S = u.shard_numel
+        opt_param = masters.get(id(u.flat_param), u.flat_param)
+        for s, o in zip(u.slots, u.offsets):
+            ranges = _owned(o, o + s.numel, lambda r: r * S, world)
+            mine = _mine(ranges, rank)
+            if mine is None:
+                continue
+            a, z = mine
+            local = o + a - rank * S
+            out.append(Piece(s.name, s.numel, a, z, u.flat_shard[local:local + z - a], ranges,
+                             opt_param if s.param.requires_grad else None, local))
+    return out
+
+
+def _per_param_pieces(units, rank, world) -> list[Piece]:
+    out = []
+    for u in units:
+        for s, p, rows in zip(u.slots, u.sharded_params, u.rows):
+            cols = s.numel // s.shape[0]
+            ranges = _owned(0, s.numel, lambda r: min(r * rows, s.shape[0]) * cols, world)
+            mine = _mine(ranges, rank)
+            if mine is None:
+                continue
+            a, z = mine
+            out.append(Piece(s.name, s.numel, a, z, p.detach().reshape(-1)[:z - a], ranges,
+                             p if p.requires_grad else None, 0))
+    return out
+
+
+def _replicated_pieces(model, optimizer) -> list[Piece]:
+    masters = _masters(optimizer)
+    return [Piece(n, p.numel(), 0, p.numel(), p.detach().reshape(-1), None,
+                  masters.get(id(p), p) if p.requires_grad else None)
+            for n, p in model.named_parameters()]
+
+
+def inner_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch.optim optimizer that holds the state (inside ZeRO or master weights)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@torch.no_grad()
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (Adam's m, v and step) where it does not exist yet,
+    so that a checkpoint has somewhere to load into: one step with zero gradients at
+    lr 0, which changes no parameter (PyTorch's set_state_dict does the same)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]
+              if not optimizer.state.get(p)]
+    if not params:
+        return
+    saved = [(g, g["lr"]) for g in optimizer.param_groups]
+    grads = {p: p.grad for p in params}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g, _ in saved:
+        g["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in saved:
+            g["lr"] = lr
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+# ============================================================================ state dicts
+
+
+def _sharded(piece: Piece, tensor: torch.Tensor) -> ShardedTensor:
+    """A 1-D tensor of `piece.numel` elements of which this rank holds `tensor`."""
+    rank = dist.get_rank()
+
+    def placement(r):
+        return f"rank:{r}/{tensor.device.type}" + (f":{r % torch.cuda.device_count()}"
+                                                    if tensor.device.type == "cuda" else "")
+    shards = [ShardMetadata([a], [b - a], placement(r)) for r, a, b in piece.ranges]
+    meta = ShardedTensorMetadata(shards, torch.Size([piece.numel]),
+                                 TensorProperties(dtype=tensor.dtype, requires_grad=False))
+    local = [Shard(tensor, next(m for m in shards if m.placement.rank() == rank))]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
+def course_state_dict(wrapped) -> dict[str, object]:
+    """{key: tensor or ShardedTensor}: views of the live state, no copies."""
+    optimizer = inner_optimizer(wrapped.optimizer)
+    ensure_optimizer_state(optimizer)
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    state: dict[str, object] = {}
+
+    def put(key, piece, tensor):
+        state[key] = _sharded(piece, tensor) if (piece.ranges is not None and sharded) \
+            else tensor
+
+    for piece in pieces(wrapped):
+        put(f"model.{piece.name}", piece, piece.tensor)
+        if piece.opt_param is None:
+            continue
+        flat = piece.opt_param.detach().reshape(-1)
+        window = slice(piece.opt_offset, piece.opt_offset + piece.stop - piece.start)
+        if flat.untyped_storage().data_ptr() != piece.tensor.untyped_storage().data_ptr():
+            # a separate fp32 master copy ("bf16-mixed"), not the parameter itself
+            put(f"optim.{piece.name}.master", piece, flat[window])
+        for k, v in optimizer.state[piece.opt_param].items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.numel() == piece.opt_param.numel() and v.dim() > 0:
+                put(f"optim.{piece.name}.{k}", piece, v.reshape(-1)[window])
+            else:  # Adam's step counter: one number, the same for every piece
+                state[f"optim.{piece.name}.{k}"] = v
+    for name, b in _unwrap(wrapped.model).named_buffers():
+        state[f"buffer.{name}"] = b
+    return state
+
+
+def _torch_fsdp2_state_dict(wrapped):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(wrapped.model, wrapped.optimizer)
+    state = {f"model.{k}": v for k, v in model_sd.items()}
+    for name, s in optim_sd["state"].items():
+        for k, v in s.items():
+            state[f"optim.{name}.{k}"] = v
+    return state, optim_sd
+
+
+def _is_torch_fsdp2(wrapped) -> bool:
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in wrapped.model.parameters())
+
+
+# ============================================================================ save / load
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def _rank_world():
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(root: str | os.PathLike, step: int, wrapped, info: dict | None = None) -> Path:
+    with _quiet_sharded_tensor():
+        return _save(root, step, wrapped, info)
+
+
+def _save(root, step, wrapped, info) -> Path:
+    """Save the state after `step` steps into `root/step-<step>/`, atomically. Called on
+    every rank; returns the folder."""
+    rank, world = _rank_world()
+    final = step_folder(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
+        tmp.mkdir(parents=True)
+    _barrier()
+    if _is_torch_fsdp2(wrapped):
+        state, _ = _torch_fsdp2_state_dict(wrapped)
+    else:
+        state = course_state_dict(wrapped)
+    state["progress.step"] = torch.tensor(step)
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    _barrier()  # every rank's shards are on disk
+    if rank == 0:
+        marker = {"step": step, "world": world, **(info or {})}
+        (tmp / MARKER).write_text(json.dumps(marker))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # one rename: the folder is complete or it does not exist
+    _barrier()
+    return final
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    folder = Path(folder)
+    return (folder.is_dir() and not folder.name.endswith(".tmp")
+            and (folder / MARKER).is_file() and (folder / ".metadata").is_file())
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root` (None if there is none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [f for f in root.glob("step-*") if is_complete(f)]
+    return max(done, key=lambda f: int(f.name.split("-")[1]), default=None)
+
+
+def info(folder: str | os.PathLike) -> dict:
+    """The completion marker: step, world size and what the run recorded."""
+    return json.loads((Path(folder) / MARKER).read_text())
+
+
+def _check_matches(folder: Path, state: dict, names: set[str]) -> None:
+    """Refuse a checkpoint of another model, naming the first parameter that differs."""
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    for key, value in state.items():
+        if not key.startswith(("model.", "buffer.")):
+            continue
+        size = tuple(value.size() if isinstance(value, ShardedTensor) else value.shape)
+        if key not in saved:
+            raise ValueError(f"checkpoint {folder.name} does not match the model: it has no "
+                             f"parameter {key.split('.', 1)[1]!r}; resume with the model "
+                             f"it was saved from")
+        if tuple(saved[key].size) != size:
+            raise ValueError(f"checkpoint {folder.name} does not match the model: parameter "
+                             f"{key.split('.', 1)[1]!r} has {tuple(saved[key].size)} elements "
+                             f"in the checkpoint and {size} in the model")
+    extra = sorted(k.split(".", 1)[1] for k in saved
+                   if k.startswith("model.") and k.split(".", 1)[1] not in names)
+    if extra:
+        raise ValueError(f"checkpoint {folder.name} does not match the model: it has "
+                         f"parameter {extra[0]!r}, which the model lacks")
+
+
+def load(folder: str | os.PathLike, wrapped) -> int:
+    """Load a checkpoint into a freshly wrapped model and optimizer, on any world size;
+    return the step to continue from. Called on every rank."""
+    with _quiet_sharded_tensor(), torch.no_grad():
+        return _load(folder, wrapped)
+
+
+def _load(folder, wrapped) -> int:
+    folder = Path(folder)
+    if not is_complete(folder):
+        raise ValueError(f"{folder} is not a complete checkpoint (no {MARKER} marker): "
+                         f"pick one with shardlab.checkpoint.latest(root)")
+    rank, _ = _rank_world()
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    if _is_torch_fsdp2(wrapped):
+        state, optim_sd = _torch_fsdp2_state_dict(wrapped)
+    else:
+        state = course_state_dict(wrapped)
+    names = ({k[len("model."):] for k in state if k.startswith("model.")}
+             if _is_torch_fsdp2(wrapped) else parameter_names(wrapped))
+    _check_matches(folder, state, names)
+    state["progress.step"] = torch.tensor(0)
+    rng_key = f"rng.rank{rank}"
+    if rng_key in saved:  # a rank the saving run did not have keeps its own seed
+        state[rng_key] = torch.get_rng_state()
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=not dist.is_initialized())
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    if _is_torch_fsdp2(wrapped):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        model_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        for name, s in optim_sd["state"].items():
+            for k in s:
+                s[k] = state[f"optim.{name}.{k}"]
+        set_state_dict(wrapped.model, wrapped.optimizer, model_state_dict=model_sd,
+                       optim_state_dict=optim_sd)
+    else:
+        _after_load(wrapped)
+    return int(state["progress.step"])
+
+
+def _after_load(wrapped) -> None:
+    """Copies the loaded values make consistent: the low-precision parameters from
+    their masters (ZeRO-1/2 keep both) and ZeRO-1/2's replicated full parameters."""
+    from shardlab.zero import ZeroOptimizer
+    zero = wrapped.optimizer
+    if isinstance(zero, ZeroOptimizer):
+        for g in zero.groups:
+            zero.all_gather_params(g)  # every rank loaded only its chunks of flat_param
+
+
+# ============================================================================ export
+
+
+def export_full_state_dict(wrapped, path: str | os.PathLike, model_name: str,
+                           seed: int = 0) -> None:
+    """Write the full, unsharded state dict for `build_model(model_name)` as a plain
+    `torch.save` file on rank 0 (every rank must call it: the shards are gathered).
+    Load it with `model.load_state_dict(torch.load(path, weights_only=True))`."""
+    from shardlab.models import build_model
+    full = wrapped.full_parameters() if wrapped.full_parameters else \
+        {n: p.detach() for n, p in _unwrap(wrapped.model).named_parameters()}
+    rank, _ = _rank_world()
+    if rank == 0:
+        plain = build_model(model_name, seed)
+        with torch.no_grad():
+            for name, p in plain.named_parameters():  # each tied weight once, first name
+                p.copy_(full[name])
+            buffers = dict(_unwrap(wrapped.model).named_buffers())
+            for name, b in plain.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(plain.state_dict(), path)
+    _barrier()
