@@ -63,6 +63,8 @@ def _quiet_sharded_tensor():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Please use DTensor instead",
                                 category=FutureWarning)
+        # one process (world 1) saves without a process group, which is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
@@ -343,7 +345,8 @@ def _save(root, step, wrapped, info) -> Path:
         state = course_state_dict(wrapped)
     state["progress.step"] = torch.tensor(step)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
+             no_dist=not dist.is_initialized())
     _barrier()  # every rank's shards are on disk
     if rank == 0:
         marker = {"step": step, "world": world, **(info or {})}
@@ -421,7 +424,8 @@ def _load(folder, wrapped) -> int:
     rng_key = f"rng.rank{rank}"
     if rng_key in saved:  # a rank the saving run did not have keeps its own seed
         state[rng_key] = torch.get_rng_state()
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=not dist.is_initialized())
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
+             no_dist=not dist.is_initialized())
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     if _is_torch_fsdp2(wrapped):
