@@ -27,9 +27,10 @@ One step, per bucket of psi_b elements (padded), on every rank:
     stage 1  backward: full gradients accumulate in place into the flat gradient buffer
              step():  reduce-scatter the bucket's gradients -> my averaged chunk     psi_b
                       step my chunks; all-gather the bucket's parameters             psi_b
-    stage 2  backward: when a bucket's last gradient arrives: copy the gradients into a
-                      bucket buffer, free them, reduce-scatter, add my chunk to my
-                      gradient shard, free the buffer                               psi_b
+    stage 2  backward: each gradient is copied into its bucket's buffer and freed; when
+                      a bucket is complete its reduce-scatter starts, asynchronously
+                      (backward goes on meanwhile); when it is done, my chunk is added
+                      to my gradient shard and the buffer is freed                  psi_b
              step():  step my chunks; all-gather the bucket's parameters             psi_b
 
 Both move 2 psi logical bytes per step (psi in the communicated dtype), as much as
@@ -211,6 +212,8 @@ class ZeroOptimizer:
 
     # Set to a list to record the schedule: (seconds, what, bucket, "start" | "end").
     events: list | None = None
+    # Stage 2: bucket reduce-scatters in flight at once during backward.
+    MAX_IN_FLIGHT = 2
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  *, stage: int = 1, master_weights: bool = False,
@@ -300,14 +303,16 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ collectives
 
+    def trace(self, what: str, bucket: int, edge: str) -> None:
+        if self.events is not None:
+            self.events.append((time.perf_counter(), what, bucket, edge))
+
     @contextlib.contextmanager
     def traced(self, what: str, bucket: int = -1):
         """Record the span of `what` in `events` (when it is a list), for timelines."""
-        if self.events is not None:
-            self.events.append((time.perf_counter(), what, bucket, "start"))
+        self.trace(what, bucket, "start")
         yield
-        if self.events is not None:
-            self.events.append((time.perf_counter(), what, bucket, "end"))
+        self.trace(what, bucket, "end")
 
     def reduce_scatter_grads(self, g: FlatGroup) -> torch.Tensor:
         """Stage 1: my chunks of the gradients averaged over the ranks, one reduce-scatter
@@ -359,6 +364,7 @@ class ZeroOptimizer:
         self._next_bucket = 0
         self._in_backward = False
         self._to_free: list[nn.Parameter] = []
+        self._in_flight: list[tuple[Bucket, torch.Tensor, Any]] = []
         self._reset_buckets()
         for b, i in owned:
             b.params[i].register_post_accumulate_grad_hook(
@@ -380,6 +386,7 @@ class ZeroOptimizer:
         # The previous full gradient goes now, not in its own hook: hooks registered later
         # (a memory tracker's) must still find it.
         self._free_full_grads()
+        self._complete_finished()
         with self.traced("gradient into bucket", b.index):
             if b.grad_buffer is None:
                 b.grad_buffer = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
@@ -402,13 +409,31 @@ class ZeroOptimizer:
             self._next_bucket += 1
 
     def _reduce_bucket(self, b: Bucket) -> None:
+        """Start the bucket's reduce-scatter without waiting for it: backward goes on
+        computing earlier layers meanwhile. At most MAX_IN_FLIGHT buckets are in flight,
+        since each one keeps its full gradients until it completes."""
         g = self.groups[b.group]
         if b.grad_buffer is None:  # no parameter of the bucket had a gradient
             b.grad_buffer = torch.zeros_like(b.region(g.flat_param))
-        c = b.chunk_numel(self.world)
-        mine = torch.empty(c, dtype=b.grad_buffer.dtype, device=b.grad_buffer.device)
-        with self.traced("reduce-scatter", b.index):
-            reduce_scatter_into(mine, b.grad_buffer, group=self.process_group)
+        mine = torch.empty(b.chunk_numel(self.world), dtype=b.grad_buffer.dtype,
+                           device=b.grad_buffer.device)
+        self.trace("reduce-scatter", b.index, "start")
+        work = reduce_scatter_into(mine, b.grad_buffer, group=self.process_group,
+                                   async_op=True)
+        self._in_flight.append((b, mine, work))
+        while len(self._in_flight) > self.MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_finished(self) -> None:
+        """Take in the reduce-scatters that have already finished, without waiting."""
+        while self._in_flight and self._in_flight[0][2].is_completed():
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        b, mine, work = self._in_flight.pop(0)
+        work.wait()
+        self.trace("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
+        g, c = self.groups[b.group], b.chunk_numel(self.world)
         # add, not copy: gradient accumulation sums the micro-batches into the shard
         g.grad_shard[b.shard_start:b.shard_start + c].add_(mine.div_(self.world))
         b.grad_buffer = None
@@ -417,6 +442,8 @@ class ZeroOptimizer:
         with torch.no_grad():
             self._free_full_grads()
             self._reduce_ready_buckets(flush=True)
+            while self._in_flight:
+                self._complete_oldest()
         self._in_backward = False
         self._reset_buckets()
 
