@@ -131,3 +131,14 @@ def test_resuming_needs_a_complete_checkpoint_and_saving_a_folder(tmp_path):
         TrainConfig(save_every=2).validate()
     with pytest.raises(ValueError, match="save_every must be a whole number"):
         TrainConfig(save_every=-1, checkpoint_dir=str(tmp_path)).validate()
+
+
+def test_the_command_line_resumes_on_another_world_size(runs, capsys):
+    from shardlab.train import main
+    folder = runs["root"] / "w4" / "zero2"
+    assert main(["--strategy", "zero2", "--resume-world", "2", "--steps", str(2 * K),
+                 "--seq-len", "16", "--checkpoint-dir", str(folder), "--no-progress",
+                 "--no-memory", "--no-ledger"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed at step {K}" in out and "zero2 on 2 rank(s)" in out
+    assert main(["--strategy", "zero2", "--world", "4", "--resume-world", "2"]) == 2

@@ -475,3 +475,53 @@ def export_full_state_dict(wrapped, path: str | os.PathLike, model_name: str,
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(plain.state_dict(), path)
     _barrier()
+
+
+# ============================================================================ a worker
+
+
+def files_per_rank(folder: str | os.PathLike) -> dict[int, int]:
+    """Bytes on disk of each rank's shard file (DCP names them `__<rank>_<n>.distcp`)."""
+    sizes: dict[int, int] = {}
+    for f in Path(folder).glob("__*_*.distcp"):
+        rank = int(f.name[2:].split("_")[0])
+        sizes[rank] = sizes.get(rank, 0) + f.stat().st_size
+    return sizes
+
+
+def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict]:
+    """Run on every rank (with `shardlab.launch.launch`): for each case {strategy, model,
+    precision}, train one step, then save and load the state `repeats` times; return the
+    median seconds of a save and of a load (all ranks together, barrier to barrier) and
+    the bytes each rank wrote."""
+    import statistics
+    import time
+
+    from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.precision import get_precision
+    from shardlab.train import get_strategy, optimizer_spec
+
+    rank, world = _rank_world()
+    out = []
+    for i, case in enumerate(cases):
+        wrapped = get_strategy(case["strategy"])(
+            build_model(case.get("model", "gpt-tiny"), seed=0),
+            get_precision(case.get("precision", "fp32")), optimizer_spec("adamw", 1e-3), {})
+        x, y = get_batch(0, rank, world, 8, 16)
+        loss_fn(wrapped.model(x), y).backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+        saves, loads = [], []
+        for r in range(repeats):
+            _barrier()
+            start = time.perf_counter()
+            folder = save(Path(root) / f"case{i}", r + 1, wrapped)
+            saves.append(time.perf_counter() - start)
+            _barrier()
+            start = time.perf_counter()
+            load(folder, wrapped)
+            _barrier()
+            loads.append(time.perf_counter() - start)
+        out.append({"case": case, "save_s": statistics.median(saves),
+                    "load_s": statistics.median(loads), "files": files_per_rank(folder)})
+    return out

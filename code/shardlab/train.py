@@ -525,13 +525,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ledger", action="store_true", help="skip recording collectives")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a sharded checkpoint every N steps (0: never)")
+    p.add_argument("--checkpoint-dir", default="checkpoints", metavar="DIR",
+                   help="where checkpoints go, one folder per step (default: checkpoints)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="FOLDER",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, "
+                        "or from FOLDER; train up to --steps")
+    p.add_argument("--resume-world", type=int, default=None, metavar="N",
+                   help="resume on N ranks, whatever world size saved the checkpoint "
+                        "(the same as --world N with --resume)")
+    p.add_argument("--export", metavar="PATH",
+                   help="after training, write the full unsharded state dict (torch.save)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torchrun = under_torchrun()
-    world = args.world or (int(os.environ["WORLD_SIZE"]) if torchrun else 1)
+    if args.resume_world is not None and args.world is not None \
+            and args.resume_world != args.world:
+        print("error: --resume-world and --world disagree; give one of them",
+              file=sys.stderr)
+        return 2
+    if args.resume_world is not None and not args.resume:
+        args.resume = True
+    world = args.resume_world or args.world or (int(os.environ["WORLD_SIZE"]) if torchrun
+                                                else 1)
     if args.strategy == "single" and (world != 1 or (torchrun and
                                                      int(os.environ["WORLD_SIZE"]) != 1)):
         print("error: strategy 'single' runs on one process: use --world 1 "
@@ -542,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                          steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                          grad_accum=args.grad_accum, seed=args.seed,
                          options=dict(args.option), measure_memory=not args.no_memory,
-                         record_ledger=not args.no_ledger)
+                         record_ledger=not args.no_ledger, save_every=args.save_every,
+                         checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                         export_path=args.export)
     try:
         reports = run(config, backend=args.backend, progress=not args.no_progress)
     except ValueError as exc:
@@ -550,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if torchrun and int(os.environ["RANK"]) != 0:
         return 0
+    if reports[0].first_step:
+        print(f"\nresumed at step {reports[0].first_step}")
     print(f"\n{config.strategy} on {world} rank(s): {config.model} "
           f"({reports[0].psi:,} parameters), {config.precision}, {config.optimizer}, "
           f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
