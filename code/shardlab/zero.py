@@ -138,10 +138,6 @@ class FlatGroup:
     flat_grad: torch.Tensor | None = None   # stage 1: full gradients (.grad are views)
     grad_shard: torch.Tensor | None = None  # stage 2: my chunks' averaged gradients
 
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
-
 
 def flatten_into_buckets(buckets: list[Bucket]) -> torch.Tensor:
     """Allocate the group's flat buffer, copy the parameters in, make them views of it."""
