@@ -208,6 +208,9 @@ def _child_main(rank: int, world: int, backend: str, port: int, fn: Callable, ar
         os._exit(1)  # skip atexit handlers that could block on a dead peer
     sys.stdout.flush()
     sys.stderr.flush()
+    # The result is on disk. Leave without the interpreter's teardown: destructors of
+    # backend threads still winding down can abort() a healthy rank at exit.
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the parent
