@@ -186,6 +186,9 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
     tracker = MemTracker()
     modules = [h for h in holders if isinstance(h, nn.Module)]
     module_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    # MemTracker follows the modules' own `.grad`s; a gradient held elsewhere (ZeRO-2's
+    # shard is nobody's `.grad`) must be handed to it like any other declared tensor.
+    module_grads = {id(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
     # MemTracker knows modules and torch optimizers; the optimizer tensors of any other
     # holder (fp32 master copies, flat shards) are handed to it as one more optimizer's
     # state, and the remaining declared tensors, which it can only file as "Other", are
@@ -199,7 +202,7 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         seen.add(key_bytes[0])
         if category == "optimizer":
             optimizer_tensors.append(local_tensor(t))
-        elif id(t) not in module_tensors and not (category == "grads" and modules):
+        elif id(t) not in module_tensors and id(t) not in module_grads:
             other.append(local_tensor(t))
             moved[category] += key_bytes[1]
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
