@@ -442,8 +442,8 @@ def _load(folder, wrapped) -> int:
 
 
 def _after_load(wrapped) -> None:
-    """Copies the loaded values make consistent: the low-precision parameters from
-    their masters (ZeRO-1/2 keep both) and ZeRO-1/2's replicated full parameters."""
+    """ZeRO-1/2 keep the full parameters on every rank, but each rank loaded only the
+    chunks it owns: all-gather them, as the end of a step does."""
     from shardlab.zero import ZeroOptimizer
     zero = wrapped.optimizer
     if isinstance(zero, ZeroOptimizer):
