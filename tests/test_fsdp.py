@@ -16,6 +16,10 @@ from shardlab.memory import model_states
 from shardlab.train import TrainConfig
 
 STEPS = 10
+# One launch runs many cases; on a 2-core machine shared with other jobs it can take
+# minutes, so the module's launches (run by the first test) get more than pytest's 300 s.
+LAUNCH_TIMEOUT = 900
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT * 3)
 LR = w.OPTIMIZERS["adamw"].kwargs["lr"]
 FP32_LOSS, FP32_ADAM, FP32_SGD = 1e-5, 0.01 * LR * STEPS, 1e-6
 BF16_LOSS, BF16_PARAMS = 1e-2, 2 * LR * STEPS
@@ -43,17 +47,17 @@ ERRORS = ["fsdp-twice", "fsdp-child-after-parent", "fsdp-differs-across-ranks"]
 
 @pytest.fixture(scope="module")
 def results():
+    gloo = {"backend": "gloo", "timeout": LAUNCH_TIMEOUT}
+    through_the_loop = [TrainConfig(strategy=s, world=2, steps=STEPS, keep_params=True)
+                        for s in ("fsdp2", "torch-fsdp2")]
     return {
         2: launch(w.suite, 2, parity=pairs(OPTION_VARIANTS) + TOYS, sizes=SIZES,
-                  errors=ERRORS, helpers=True, steps=STEPS, backend="gloo",
-                  train=[TrainConfig(strategy=s, world=2, steps=STEPS, keep_params=True)
-                         for s in ("fsdp2", "torch-fsdp2")]),
+                  errors=ERRORS, helpers=True, train=through_the_loop, steps=STEPS, **gloo),
         4: launch(w.suite, 4, parity=pairs([{}, {"options": {"reshard_after_forward": False}},
                                              {"precision": "bf16-mixed"}]),
-                  sizes=SIZES[:2], helpers=True, steps=STEPS, backend="gloo"),
+                  sizes=SIZES[:2], helpers=True, steps=STEPS, **gloo),
         # 3 ranks: no dim 0 of the GPT divides by 3, so every parameter is padded
-        3: launch(w.suite, 3, parity=pairs([{}]), sizes=SIZES[:1], steps=STEPS,
-                  backend="gloo"),
+        3: launch(w.suite, 3, parity=pairs([{}]), sizes=SIZES[:1], steps=STEPS, **gloo),
     }
 
 

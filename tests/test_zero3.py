@@ -23,6 +23,10 @@ from shardlab.memory import model_states
 from shardlab.train import TrainConfig
 
 STEPS = 10
+# One launch runs many cases; on a 2-core machine shared with other jobs it can take
+# minutes, so the module's launches (run by the first test) get more than pytest's 300 s.
+LAUNCH_TIMEOUT = 900
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT * 3)
 LR = w.OPTIMIZERS["adamw"].kwargs["lr"]
 FP32_LOSS, FP32_ADAM, FP32_SGD = 1e-5, 0.01 * LR * STEPS, 1e-6
 BF16_LOSS, BF16_PARAMS = 1e-2, 2 * LR * STEPS
@@ -45,13 +49,14 @@ ERRORS = ["zero3-policy-misses-a-parameter", "zero3-differs-across-ranks"]
 
 @pytest.fixture(scope="module")
 def results():
+    gloo = {"backend": "gloo", "timeout": LAUNCH_TIMEOUT}
+    through_the_loop = [TrainConfig(strategy="zero3", world=3, batch_size=12,
+                                    precision="bf16-mixed", steps=4)]
     return {
         3: launch(w.suite, 3, parity=ZERO3, sizes=SIZES, errors=ERRORS, steps=STEPS,
-                  backend="gloo", train=[TrainConfig(strategy="zero3", world=3, batch_size=12,
-                                                     precision="bf16-mixed", steps=4)]),
-        2: launch(w.suite, 2, parity=ZERO3[:3] + ZERO3[-1:], steps=STEPS, backend="gloo"),
-        4: launch(w.suite, 4, parity=ZERO3[:1], sizes=SIZES[:1], steps=STEPS,
-                  backend="gloo"),
+                  train=through_the_loop, **gloo),
+        2: launch(w.suite, 2, parity=ZERO3[:3] + ZERO3[-1:], steps=STEPS, **gloo),
+        4: launch(w.suite, 4, parity=ZERO3[:1], sizes=SIZES[:1], steps=STEPS, **gloo),
     }
 
 

@@ -319,8 +319,12 @@ class ShardedUnit:
         self.reshard()
 
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Start the reduce-scatter; the end of backward waits for it (`finish_reduce`), so
-        it runs while the units before this one compute their backward."""
+        """Start the reduce-scatter and return: it runs while the unit before this one
+        computes its backward, and is finished (`finish_reduce`) before the next one
+        starts or at the end of backward."""
+        # One reduce-scatter in flight at a time: the previous unit's finishes first, so
+        # at most one extra unit of gradient buffers is alive, as in FSDP2.
+        self.model_state.finish_reduces()
         full = self.reduce_scatter_input(grads)
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
         _trace(self, "reduce-scatter", "start")
@@ -700,11 +704,15 @@ class ShardedModel:
         token ids, which need no gradient), in reverse forward order like the rest."""
         for unit in reversed(self.forward_order):
             unit.post_backward()
+        self.finish_reduces()
         for unit in self.units:
-            unit.finish_reduce()
             unit.reshard()
         self.callback_queued = False
         self.last_order = list(self.forward_order)
+
+    def finish_reduces(self) -> None:
+        for unit in self.units:
+            unit.finish_reduce()
 
     @contextlib.contextmanager
     def no_sync(self):
