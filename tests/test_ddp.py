@@ -41,12 +41,8 @@ BF16_PARAM_TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The references run in this process with one thread, as each launched rank does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_everywhere(one_thread):
+    """Every test of this file compares with references run in this process."""
 
 
 def run_configs(configs):

@@ -16,12 +16,8 @@ from shardlab.train import TrainConfig, main, run, train_worker
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Runs in this process use one thread, as each launched rank does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_everywhere(one_thread):
+    """Every test of this file compares with references run in this process."""
 
 
 @pytest.mark.parametrize("change,message", [

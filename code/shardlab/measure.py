@@ -118,17 +118,24 @@ def categorized_tensors(*holders: Any) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def state_bytes(*holders: Any) -> dict[str, int]:
-    """Bytes this rank holds by category ("params", "grads", "optimizer", "buffers"),
-    each storage counted once across all holders."""
-    totals = dict.fromkeys(CATEGORIES, 0)
+def unique_storages(*holders: Any) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(category, tensor, bytes of its storage) for each storage the holders hold, once:
+    the first holder and category to reach a storage own it."""
     seen: set[tuple] = set()
     for category, t in categorized_tensors(*holders):
         key_bytes = storage_key_and_bytes(t)
         if key_bytes is None or key_bytes[0] in seen:
             continue
         seen.add(key_bytes[0])
-        totals[category] += key_bytes[1]
+        yield category, t, key_bytes[1]
+
+
+def state_bytes(*holders: Any) -> dict[str, int]:
+    """Bytes this rank holds by category ("params", "grads", "optimizer", "buffers"),
+    each storage counted once across all holders."""
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for category, _, nbytes in unique_storages(*holders):
+        totals[category] += nbytes
     return totals
 
 
@@ -194,17 +201,12 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
     # state, and the remaining declared tensors, which it can only file as "Other", are
     # moved back into their category afterwards.
     optimizer_tensors, other, moved = [], [], dict.fromkeys(CATEGORIES, 0)
-    seen: set[tuple] = set()
-    for category, t in categorized_tensors(*holders):
-        key_bytes = storage_key_and_bytes(t)
-        if key_bytes is None or key_bytes[0] in seen:
-            continue
-        seen.add(key_bytes[0])
+    for category, t, nbytes in unique_storages(*holders):
         if category == "optimizer":
             optimizer_tensors.append(local_tensor(t))
         elif id(t) not in module_tensors and id(t) not in module_grads:
             other.append(local_tensor(t))
-            moved[category] += key_bytes[1]
+            moved[category] += nbytes
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
     with tracker:
         yield peak
