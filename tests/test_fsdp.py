@@ -20,9 +20,6 @@ STEPS = 10
 # minutes, so the module's launches (run by the first test) get more than pytest's 300 s.
 LAUNCH_TIMEOUT = 900
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT * 3)
-LR = w.OPTIMIZERS["adamw"].kwargs["lr"]
-FP32_LOSS, FP32_ADAM, FP32_SGD = 1e-5, 0.01 * LR * STEPS, 1e-6
-BF16_LOSS, BF16_PARAMS = 1e-2, 2 * LR * STEPS
 
 
 def pairs(variants):
@@ -76,15 +73,7 @@ def test_fsdp2_matches_pytorch_fully_shard_exactly(results, world):
 def test_fsdp2_trains_like_a_single_process(results, world):
     for rank_result in results[world]:
         for r in rank_result["parity"]:
-            case = r["case"]
-            assert r["names_match"], case
-            if case.get("precision", "fp32") == "fp32":
-                tol = FP32_SGD if case.get("optimizer") == "sgd-momentum" else FP32_ADAM
-                assert r["loss_diff"] <= FP32_LOSS, case
-                assert r["param_diff"] <= tol, case
-            else:
-                assert r["loss_diff"] <= BF16_LOSS, case
-                assert r["param_diff"] <= BF16_PARAMS, case
+            w.check_parity(r, STEPS)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -260,6 +260,17 @@ def _apply(model, precision, options, shard_fn, mp_cls, offload_cls):
     return model
 
 
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module):
+    """`no_sync` for both FSDPs: micro-batches accumulate unreduced gradients, and the last
+    one, outside this block, reduce-scatters the sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def wrap_fsdp2(model: nn.Module, precision, optimizer, options: dict):
     """Ours. options: wrap ("auto", "blocks", "model"), reshard_after_forward, prefetch
     (explicit, block to block), offload (CPUOffloadPolicy), reduce_dtype ("fp32" or
@@ -272,15 +283,7 @@ def wrap_fsdp2(model: nn.Module, precision, optimizer, options: dict):
     state = model_state(model)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
 
-    @contextlib.contextmanager
-    def no_sync():
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    wrapped = Wrapped(model, opt, no_sync=no_sync,
+    wrapped = Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
                       full_parameters=lambda: gather_full_parameters(model))
     wrapped.sharding = state  # has state_tensors(), for measure.state_bytes
     return wrapped
@@ -304,19 +307,11 @@ def wrap_torch_fsdp2(model: nn.Module, precision, optimizer, options: dict):
                    TorchOffload)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
 
-    @contextlib.contextmanager
-    def no_sync():
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
     def full_parameters():
         return {name: p.full_tensor().detach().cpu()
                 for name, p in model.named_parameters()}
 
-    return Wrapped(model, opt, no_sync=no_sync, full_parameters=full_parameters)
+    return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model), full_parameters=full_parameters)
 
 
 # ----------------------------------------------------------------------------- a worker
