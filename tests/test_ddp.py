@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardlab import comm, memory
-from shardlab.launch import RankFailed, launch
+from shardlab.launch import launch
 from shardlab.models import build_model
 from shardlab.train import TrainConfig, train_worker
 

@@ -2,7 +2,6 @@
 formulas, the ZeRO paper's worked examples, the planner, and refusals of bad input."""
 
 import pytest
-import torch
 from torch import nn
 
 from shardlab import memory

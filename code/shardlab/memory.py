@@ -382,7 +382,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     print(f"{cfg.name}: psi = {psi:,} parameters; {args.precision} {args.optimizer}: "
           f"{per.params:g} + {per.grads:g} + K={per.optimizer:g} bytes per parameter; "
           f"N = {args.gpus}")
-    print(f"\nModel states per rank (GB = 10^9 bytes):")
+    print("\nModel states per rank (GB = 10^9 bytes):")
     print("\n".join(table(psi, args.gpus, args.precision, args.optimizer)))
     print(f"\nWhat fits in {format_bytes(memory)} ({format_bytes(memory, 'GiB')}) per GPU, "
           f"micro-batch {args.batch} x {args.seq} tokens (activations: Korthikanti et al.):")

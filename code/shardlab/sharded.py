@@ -489,9 +489,6 @@ class FlatUnit(ShardedUnit):
         return {s.name: full[o:o + s.numel].view(s.shape).clone()
                 for o, s in zip(self.offsets, self.slots)}
 
-    def sharded_tensors(self) -> list[torch.Tensor]:
-        return [self.flat_shard]
-
 
 def _gather_shard(shard: torch.Tensor, world: int, group, rank0_only: bool):
     """All ranks' shards concatenated (on rank 0 only, if asked), on the CPU."""
