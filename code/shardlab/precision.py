@@ -42,7 +42,23 @@ def get_precision(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; use one of {sorted(PRECISIONS)}") from None
 
 
-class MasterWeightOptimizer:
+class InnerOptimizerFace:
+    """The `torch.optim` face (`param_groups`, `state`) of a class that steps an inner
+    optimizer, `self.optimizer`, over tensors of its own: fp32 master copies here, flat
+    shards in ZeRO. Schedulers and readers of the learning rate see the inner groups."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+
+class MasterWeightOptimizer(InnerOptimizerFace):
     """Step low-precision parameters through fp32 master copies.
 
     `params` may be a list of tensors or of parameter groups (dicts), as for any
@@ -65,14 +81,6 @@ class MasterWeightOptimizer:
                 masters.append(master)
             master_groups.append({**group, "params": masters})
         self.optimizer = optimizer_class(master_groups, **kwargs)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def master_tensors(self) -> list[torch.Tensor]:
         return [m for _, m in self.pairs]

@@ -55,7 +55,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
 from shardlab.models import build_model, get_batch, loss_fn
-from shardlab.precision import MasterWeightOptimizer, Precision, get_precision
+from shardlab.precision import (InnerOptimizerFace, MasterWeightOptimizer, Precision,
+                                get_precision)
 from shardlab.train import (OptimizerSpec, Wrapped, cast_model, check_options, get_strategy,
                             named_full_parameters, optimizer_spec)
 
@@ -196,7 +197,7 @@ def check_bucket_numel(bucket_numel: Any) -> int:
 # --------------------------------------------------------------------------- the optimizer
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(InnerOptimizerFace):
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) around any torch.optim optimizer class.
 
     Use it like the optimizer it wraps: `loss.backward(); opt.step(); opt.zero_grad()`.
@@ -248,14 +249,6 @@ class ZeroOptimizer:
             self._prepare_backward_hooks(param_order)
 
     # ------------------------------------------------------------------ torch.optim face
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     @torch.no_grad()
     def step(self) -> None:
