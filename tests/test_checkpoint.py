@@ -134,7 +134,7 @@ def test_resuming_needs_a_complete_checkpoint_and_saving_a_folder(tmp_path):
 
 
 def test_the_command_line_resumes_on_another_world_size(runs, capsys):
-    from shardlab.train import main
+    from shardlab.cli import main
     folder = runs["root"] / "w4" / "zero2"
     assert main(["--strategy", "zero2", "--resume-world", "2", "--steps", str(2 * K),
                  "--seq-len", "16", "--checkpoint-dir", str(folder), "--no-progress",

@@ -181,7 +181,7 @@ def wrap_time_checks():
     import torch.distributed as dist
     from shardlab.ddp import BucketedDataParallel, NaiveDataParallel
     from shardlab.precision import get_precision
-    from shardlab.train import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy, optimizer_spec
     messages = []
     for strategy in ("ddp", "ddp-naive", "torch-ddp"):
         name = "toy-tied" if dist.get_rank() == 1 else "toy-frozen"

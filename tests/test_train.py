@@ -12,7 +12,8 @@ import torch
 
 from shardlab import comm, memory
 from shardlab.models import build_model
-from shardlab.train import TrainConfig, main, run, train_worker
+from shardlab.cli import main
+from shardlab.train import TrainConfig, run, train_worker
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,8 @@ from shardlab import memory
 from shardlab.launch import launch
 from shardlab.models import build_model
 from shardlab.precision import get_precision
-from shardlab.train import TrainConfig, optimizer_spec
+from shardlab.strategy import optimizer_spec
+from shardlab.train import TrainConfig
 from shardlab.zero import schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout

@@ -15,7 +15,8 @@ from torch import nn
 
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import MasterWeightOptimizer, get_precision
-from shardlab.train import TrainConfig, cast_model, optimizer_spec, train_worker
+from shardlab.strategy import cast_model, optimizer_spec
+from shardlab.train import TrainConfig, train_worker
 
 
 def decay_groups(model: nn.Module) -> list[dict]:
@@ -79,7 +80,7 @@ def parity_cases(cases: list[TrainConfig]) -> list[dict]:
 
 def refuses_different_models() -> str:
     """Build a model that differs on rank 1; the wrapper must refuse it on every rank."""
-    from shardlab.train import get_strategy
+    from shardlab.strategy import get_strategy
     model = build_model("toy-tied", seed=dist.get_rank() == 1)
     try:
         get_strategy("zero2")(model, get_precision("fp32"), optimizer_spec("adamw", 1e-3), {})

@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "memory": ("shardlab.memory", "per-rank memory of every ZeRO stage, and what fits"),
-    "train": ("shardlab.train", "train a small GPT with any strategy (launcher or torchrun)"),
+    "train": ("shardlab.cli", "train a small GPT with any strategy (launcher or torchrun)"),
 }
 
 

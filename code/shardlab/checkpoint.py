@@ -52,6 +52,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
 
+from shardlab.strategy import Piece, inner_optimizer
+
 MARKER = "COMPLETE"  # written last, inside the folder, before it gets its final name
 
 
@@ -71,151 +73,16 @@ def _quiet_sharded_tensor():
 # ============================================================================ the layout
 
 
-@dataclass
-class Piece:
-    """This rank's piece [start, stop) of the flattened parameter `name`.
-
-    `tensor` is a 1-D view of the live storage holding it (so loading writes straight into
-    the model); `ranges` gives every rank's (rank, start, stop), or None when every rank
-    holds the whole parameter. `opt_param` is the tensor the optimizer keys its state by
-    (a flat shard, a chunk, or the parameter itself; None when frozen), and the piece
-    starts at `opt_offset` in it."""
-
-    name: str
-    numel: int
-    start: int
-    stop: int
-    tensor: torch.Tensor
-    ranges: list[tuple[int, int, int]] | None
-    opt_param: torch.Tensor | None
-    opt_offset: int = 0
-
-
-def _clip(lo: int, hi: int, a: int, b: int) -> tuple[int, int] | None:
-    """[lo, hi) ∩ [a, b), relative to lo; None when empty."""
-    s, e = max(lo, a), min(hi, b)
-    return (s - lo, e - lo) if e > s else None
-
-
-def _owned(lo: int, hi: int, chunk_start, world: int) -> list[tuple[int, int, int]]:
-    """Every rank's part of the parameter at [lo, hi) of a buffer where rank r owns
-    [chunk_start(r), chunk_start(r + 1))."""
-    out = []
-    for r in range(world):
-        part = _clip(lo, hi, chunk_start(r), chunk_start(r + 1))
-        if part is not None:
-            out.append((r, *part))
-    return out
-
-
-def _mine(ranges, rank):
-    return next(((a, b) for r, a, b in ranges if r == rank), None)
-
-
-def pieces(wrapped) -> list[Piece]:
-    """This rank's pieces of every parameter, for any of the course's strategies."""
-    from shardlab.sharded import FlatUnit, PerParamUnit
-    from shardlab.zero import ZeroOptimizer
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    sharding = getattr(wrapped, "sharding", None)
-    optimizer = wrapped.optimizer
-    if isinstance(optimizer, ZeroOptimizer):
-        return _zero_pieces(wrapped.model, optimizer, rank, world)
-    if sharding is not None and all(isinstance(u, FlatUnit) for u in sharding.units):
-        return _flat_unit_pieces(sharding.units, optimizer, rank, world)
-    if sharding is not None and all(isinstance(u, PerParamUnit) for u in sharding.units):
-        return _per_param_pieces(sharding.units, rank, world)
-    if type(optimizer).__name__ == "TorchZero1":
-        raise ValueError("torch-zero1 keeps its optimizer state whole per owner rank; "
-                         "checkpoint zero1 (the same sharding) instead")
-    return _replicated_pieces(_unwrap(wrapped.model), optimizer)
+def _pieces(wrapped) -> list[Piece]:
+    """This rank's pieces, as the strategy declares them (`Wrapped.pieces`)."""
+    if wrapped.pieces is None:
+        raise ValueError(f"cannot checkpoint this run: {wrapped.checkpoint_refusal}")
+    return wrapped.pieces()
 
 
 def parameter_names(wrapped) -> set[str]:
-    """The original names of all the model's parameters (each tied weight once)."""
-    sharding = getattr(wrapped, "sharding", None)
-    if sharding is not None:
-        return {s.name for u in sharding.units for s in u.slots}
-    return {n for n, _ in _unwrap(wrapped.model).named_parameters()}
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DistributedDataParallel keeps it in .module
-
-
-def _masters(optimizer) -> dict[int, torch.Tensor]:
-    """id(parameter) -> its fp32 master copy, when the optimizer keeps them."""
-    return {id(p): m for p, m in getattr(optimizer, "pairs", [])}
-
-
-def _zero_pieces(model, zero, rank, world) -> list[Piece]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for g in zero.groups:
-        for b, shard in zip(g.buckets, g.shards):
-            c = b.chunk_numel(world)
-            for p, offset in zip(b.params, b.offsets):
-                lo = b.start + offset
-                ranges = _owned(lo, lo + p.numel(), lambda r: b.start + r * c, world)
-                mine = _mine(ranges, rank)
-                if mine is None:
-                    continue
-                a, z = mine
-                out.append(Piece(names[id(p)], p.numel(), a, z, g.flat_param[lo + a:lo + z],
-                                 ranges, shard, lo + a - (b.start + rank * c)))
-    trained = {id(p) for g in zero.groups for b in g.buckets for p in b.params}
-    out += [Piece(n, p.numel(), 0, p.numel(), p.detach().reshape(-1), None, None)
-            for n, p in model.named_parameters() if id(p) not in trained]
-    return out
-
-
-def _flat_unit_pieces(units, optimizer, rank, world) -> list[Piece]:
-    masters = _masters(optimizer)
-    out = []
-    for u in units:
-        S = u.shard_numel
-        opt_param = masters.get(id(u.flat_param), u.flat_param)
-        for s, o in zip(u.slots, u.offsets):
-            ranges = _owned(o, o + s.numel, lambda r: r * S, world)
-            mine = _mine(ranges, rank)
-            if mine is None:
-                continue
-            a, z = mine
-            local = o + a - rank * S
-            out.append(Piece(s.name, s.numel, a, z, u.flat_shard[local:local + z - a], ranges,
-                             opt_param if s.param.requires_grad else None, local))
-    return out
-
-
-def _per_param_pieces(units, rank, world) -> list[Piece]:
-    out = []
-    for u in units:
-        for s, p, rows in zip(u.slots, u.sharded_params, u.rows):
-            cols = s.numel // s.shape[0]
-            ranges = _owned(0, s.numel, lambda r: min(r * rows, s.shape[0]) * cols, world)
-            mine = _mine(ranges, rank)
-            if mine is None:
-                continue
-            a, z = mine
-            out.append(Piece(s.name, s.numel, a, z, p.detach().reshape(-1)[:z - a], ranges,
-                             p if p.requires_grad else None, 0))
-    return out
-
-
-def _replicated_pieces(model, optimizer) -> list[Piece]:
-    masters = _masters(optimizer)
-    return [Piece(n, p.numel(), 0, p.numel(), p.detach().reshape(-1), None,
-                  masters.get(id(p), p) if p.requires_grad else None)
-            for n, p in model.named_parameters()]
-
-
-def inner_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The torch.optim optimizer that holds the state (inside ZeRO or master weights)."""
-    while not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+    """The names of all the model's parameters (each tied weight once)."""
+    return {piece.name for piece in _pieces(wrapped)}
 
 
 @torch.no_grad()
@@ -255,12 +122,14 @@ def _sharded(piece: Piece, tensor: torch.Tensor) -> ShardedTensor:
     shards = [ShardMetadata([a], [b - a], placement(r)) for r, a, b in piece.ranges]
     meta = ShardedTensorMetadata(shards, torch.Size([piece.numel]),
                                  TensorProperties(dtype=tensor.dtype, requires_grad=False))
-    local = [Shard(tensor, next(m for m in shards if m.placement.rank() == rank))]
+    local = [Shard(tensor, m) for m in shards if m.placement.rank() == rank]
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
 
 
-def course_state_dict(wrapped) -> dict[str, object]:
-    """{key: tensor or ShardedTensor}: views of the live state, no copies."""
+def course_state_dict(wrapped, for_load: bool = False) -> dict[str, object]:
+    """{key: tensor or ShardedTensor}: views of the live state, no copies. A parameter is
+    stored as its fp32 master copy where the optimizer keeps one ("bf16-mixed"), so the
+    file holds the weights the optimizer steps; `load` casts them into the model."""
     optimizer = inner_optimizer(wrapped.optimizer)
     ensure_optimizer_state(optimizer)
     sharded = dist.is_initialized() and dist.get_world_size() > 1
@@ -270,40 +139,21 @@ def course_state_dict(wrapped) -> dict[str, object]:
         state[key] = _sharded(piece, tensor) if (piece.ranges is not None and sharded) \
             else tensor
 
-    for piece in pieces(wrapped):
-        put(f"model.{piece.name}", piece, piece.tensor)
-        if piece.opt_param is None:
+    for piece in _pieces(wrapped):
+        if not piece.writer:  # another rank writes it (and holds its optimizer state)
+            if for_load:
+                state[f"model.{piece.name}"] = piece.values
             continue
-        flat = piece.opt_param.detach().reshape(-1)
-        window = slice(piece.opt_offset, piece.opt_offset + piece.stop - piece.start)
-        if flat.untyped_storage().data_ptr() != piece.tensor.untyped_storage().data_ptr():
-            # a separate fp32 master copy ("bf16-mixed"), not the parameter itself
-            put(f"optim.{piece.name}.master", piece, flat[window])
-        for k, v in optimizer.state[piece.opt_param].items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            if v.numel() == piece.opt_param.numel() and v.dim() > 0:
-                put(f"optim.{piece.name}.{k}", piece, v.reshape(-1)[window])
+        put(f"model.{piece.name}", piece,
+            piece.master if piece.master is not None else piece.values)
+        for k, v in piece.optimizer_state().items():
+            if v.dim() > 0:
+                put(f"optim.{piece.name}.{k}", piece, v)
             else:  # Adam's step counter: one number, the same for every piece
                 state[f"optim.{piece.name}.{k}"] = v
-    for name, b in _unwrap(wrapped.model).named_buffers():
+    for name, b in wrapped.module.named_buffers():
         state[f"buffer.{name}"] = b
     return state
-
-
-def _torch_fsdp2_state_dict(wrapped):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(wrapped.model, wrapped.optimizer)
-    state = {f"model.{k}": v for k, v in model_sd.items()}
-    for name, s in optim_sd["state"].items():
-        for k, v in s.items():
-            state[f"optim.{name}.{k}"] = v
-    return state, optim_sd
-
-
-def _is_torch_fsdp2(wrapped) -> bool:
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in wrapped.model.parameters())
 
 
 # ============================================================================ save / load
@@ -339,10 +189,7 @@ def _save(root, step, wrapped, info) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
         tmp.mkdir(parents=True)
     _barrier()
-    if _is_torch_fsdp2(wrapped):
-        state, _ = _torch_fsdp2_state_dict(wrapped)
-    else:
-        state = course_state_dict(wrapped)
+    state = course_state_dict(wrapped)
     state["progress.step"] = torch.tensor(step)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
@@ -413,13 +260,8 @@ def _load(folder, wrapped) -> int:
                          f"pick one with shardlab.checkpoint.latest(root)")
     rank, _ = _rank_world()
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    if _is_torch_fsdp2(wrapped):
-        state, optim_sd = _torch_fsdp2_state_dict(wrapped)
-    else:
-        state = course_state_dict(wrapped)
-    names = ({k[len("model."):] for k in state if k.startswith("model.")}
-             if _is_torch_fsdp2(wrapped) else parameter_names(wrapped))
-    _check_matches(folder, state, names)
+    state = course_state_dict(wrapped, for_load=True)
+    _check_matches(folder, state, parameter_names(wrapped))
     state["progress.step"] = torch.tensor(0)
     rng_key = f"rng.rank{rank}"
     if rng_key in saved:  # a rank the saving run did not have keeps its own seed
@@ -428,27 +270,11 @@ def _load(folder, wrapped) -> int:
              no_dist=not dist.is_initialized())
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
-    if _is_torch_fsdp2(wrapped):
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        model_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        for name, s in optim_sd["state"].items():
-            for k in s:
-                s[k] = state[f"optim.{name}.{k}"]
-        set_state_dict(wrapped.model, wrapped.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=optim_sd)
-    else:
-        _after_load(wrapped)
+    for piece in _pieces(wrapped):
+        if piece.master is not None:  # the file holds the master: the model computes
+            piece.values.copy_(piece.master)  # with its cast
+    wrapped.after_load()
     return int(state["progress.step"])
-
-
-def _after_load(wrapped) -> None:
-    """ZeRO-1/2 keep the full parameters on every rank, but each rank loaded only the
-    chunks it owns: all-gather them, as the end of a step does."""
-    from shardlab.zero import ZeroOptimizer
-    zero = wrapped.optimizer
-    if isinstance(zero, ZeroOptimizer):
-        for g in zero.groups:
-            zero.all_gather_params(g)  # every rank loaded only its chunks of flat_param
 
 
 # ============================================================================ export
@@ -461,14 +287,14 @@ def export_full_state_dict(wrapped, path: str | os.PathLike, model_name: str,
     Load it with `model.load_state_dict(torch.load(path, weights_only=True))`."""
     from shardlab.models import build_model
     full = wrapped.full_parameters() if wrapped.full_parameters else \
-        {n: p.detach() for n, p in _unwrap(wrapped.model).named_parameters()}
+        {n: p.detach() for n, p in wrapped.module.named_parameters()}
     rank, _ = _rank_world()
     if rank == 0:
         plain = build_model(model_name, seed)
         with torch.no_grad():
             for name, p in plain.named_parameters():  # each tied weight once, first name
                 p.copy_(full[name])
-            buffers = dict(_unwrap(wrapped.model).named_buffers())
+            buffers = dict(wrapped.module.named_buffers())
             for name, b in plain.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
@@ -499,7 +325,7 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.precision import get_precision
-    from shardlab.train import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy, optimizer_spec
 
     rank, world = _rank_world()
     out = []

@@ -45,8 +45,8 @@ from torch.autograd import Variable
 from shardlab.launch import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import Precision
-from shardlab.train import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
-                            check_options, named_full_parameters)
+from shardlab.strategy import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
+                               check_options, replicated)
 
 MB = 1024 * 1024
 
@@ -283,8 +283,8 @@ def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerS
     check_options("ddp-naive", options, {})
     model = cast_model(model, precision)
     ddp = NaiveDataParallel(model)
-    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                      module=model, no_sync=ddp.no_sync)
 
 
 def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -292,8 +292,8 @@ def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     opts = check_options("ddp", options, {"bucket_mb": 25.0, "first_bucket_mb": 1.0})
     model = cast_model(model, precision)
     ddp = BucketedDataParallel(model, float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
-    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                      module=model, no_sync=ddp.no_sync)
 
 
 def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -310,8 +310,8 @@ def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerS
         model, device_ids=device_ids, bucket_cap_mb=float(opts["bucket_mb"]),
         find_unused_parameters=bool(opts["find_unused_parameters"]),
         gradient_as_bucket_view=bool(opts["gradient_as_bucket_view"]))
-    return Wrapped(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                   no_sync=ddp.no_sync, full_parameters=lambda: named_full_parameters(model))
+    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
+                      module=model, no_sync=ddp.no_sync)
 
 
 # ----------------------------------------------------------------------------- timeline

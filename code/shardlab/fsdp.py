@@ -16,7 +16,7 @@ gradients) is the one ZeRO-3 uses: see `shardlab.sharded`. What this module adds
 API: the options (`reshard_after_forward`, `MixedPrecisionPolicy`, `CPUOffloadPolicy`),
 the methods PyTorch's `FSDPModule` has (`unshard`, `reshard`, prefetch and gradient-sync
 setters), the helpers between sharded and full models, and the two strategies `fsdp2`
-(ours) and `torch-fsdp2` (PyTorch's `fully_shard`) registered in `shardlab.train`.
+(ours) and `torch-fsdp2` (PyTorch's `fully_shard`) registered in `shardlab.strategy`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.launch import rank_device
+from shardlab.precision import Precision
 from shardlab.sharded import (PerParamUnit, ShardedModel, ShardedState,
                               check_same_on_all_ranks, collect_slots)
+from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, check_options, owned_ranges,
+                               state_of, tied_names)
+from shardlab.wrap import unit_modules
 
 
 @dataclass(frozen=True)
@@ -212,18 +217,6 @@ FSDP2_OPTIONS = {"wrap": "auto", "reshard_after_forward": True, "prefetch": Fals
                  "offload": False, "reduce_dtype": "fp32"}
 
 
-def _wrap_targets(model: nn.Module, wrap: str) -> list[nn.Module]:
-    if wrap == "auto":
-        wrap = "blocks" if hasattr(model, "blocks") else "model"
-    if wrap == "blocks":
-        if not hasattr(model, "blocks"):
-            raise ValueError("wrap='blocks' needs a model with `.blocks`; use 'model'")
-        return [*model.blocks, model]
-    if wrap == "model":
-        return [model]
-    raise ValueError(f"unknown wrap {wrap!r}; use 'auto', 'blocks' or 'model'")
-
-
 def _policies(precision, options):
     """Our precisions as FSDP2 policies: "bf16-mixed" keeps fp32 shards (the master
     weights) and all-gathers bf16; "bf16" casts the model itself; "fp32" is plain."""
@@ -247,7 +240,7 @@ def _apply(model, precision, options, shard_fn, mp_cls, offload_cls):
         kwargs["mp_policy"] = mp_cls(param_dtype=mp[0], reduce_dtype=mp[1])
     if offload:
         kwargs["offload_policy"] = offload_cls(pin_memory=False)
-    targets = _wrap_targets(model, options["wrap"])
+    targets = unit_modules(model, options["wrap"])
     for module in targets:
         shard_fn(module, **kwargs)
     if options["prefetch"]:
@@ -271,34 +264,53 @@ def gradient_sync_off(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def wrap_fsdp2(model: nn.Module, precision, optimizer, options: dict):
-    """Ours. options: wrap ("auto", "blocks", "model"), reshard_after_forward, prefetch
-    (explicit, block to block), offload (CPUOffloadPolicy), reduce_dtype ("fp32" or
-    "bf16", under "bf16-mixed")."""
-    from shardlab.train import Wrapped, check_options
-
+def wrap_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """Ours. options: wrap (a policy of `shardlab.wrap`), reshard_after_forward, prefetch
+    (explicit, unit to unit), offload (CPUOffloadPolicy), reduce_dtype ("fp32" or "bf16",
+    under "bf16-mixed")."""
     options = check_options("fsdp2", options, FSDP2_OPTIONS)
     model = _apply(model, precision, options, fully_shard, MixedPrecisionPolicy,
                    CPUOffloadPolicy)
     state = model_state(model)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
-
-    wrapped = Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
-                      full_parameters=lambda: gather_full_parameters(model))
-    wrapped.sharding = state  # has state_tensors(), for measure.state_bytes
-    return wrapped
+    return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
+                   full_parameters=lambda: gather_full_parameters(model),
+                   pieces=lambda: state.pieces(opt), extra_state=(state,))
 
 
-def wrap_torch_fsdp2(model: nn.Module, precision, optimizer, options: dict):
-    """The reference: PyTorch's `fully_shard` per block, then on the root, on a 1-D device
+def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
+    """The pieces of a model sharded by PyTorch's `fully_shard`: each parameter is a
+    DTensor cut along dim 0 as `torch.chunk` cuts it (ceil(d0/N) rows a rank), the same
+    rows as the course's FSDP2, so the same ranges of the flattened parameter."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    names = tied_names(model)
+    out = []
+    for name, p in model.named_parameters():
+        local = p.to_local().detach()
+        rows = -(-p.shape[0] // world)
+        cols = p.numel() // p.shape[0]
+        ranges = owned_ranges(0, p.numel(), lambda r: min(r * rows, p.shape[0]) * cols, world)
+        a, z = next(((a, z) for r, a, z in ranges if r == rank), (0, 0))
+        if local.numel() != z - a:
+            raise ValueError(f"{name}: PyTorch's fully_shard holds {local.numel()} elements "
+                             f"on rank {rank}, not the {z - a} of a dim-0 torch.chunk cut; "
+                             f"this layout cannot be checkpointed by shardlab")
+        out.append(Piece(name, p.shape, a, z, local.reshape(-1), ranges,
+                         optimizer_state=state_of(optimizer, p, slice(0, z - a))
+                         if p.requires_grad else dict,
+                         aliases=tuple(names[id(p)][1:])))
+    return out
+
+
+def wrap_torch_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                     options: dict) -> Wrapped:
+    """The reference: PyTorch's `fully_shard` per unit, then on the root, on a 1-D device
     mesh over all ranks, with the same options mapped to PyTorch's policies."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from shardlab.launch import rank_device
-    from shardlab.train import Wrapped, check_options
 
     options = check_options("torch-fsdp2", options, FSDP2_OPTIONS)
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
@@ -311,7 +323,8 @@ def wrap_torch_fsdp2(model: nn.Module, precision, optimizer, options: dict):
         return {name: p.full_tensor().detach().cpu()
                 for name, p in model.named_parameters()}
 
-    return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model), full_parameters=full_parameters)
+    return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
+                   full_parameters=full_parameters, pieces=lambda: dtensor_pieces(model, opt))
 
 
 # ----------------------------------------------------------------------------- a worker
@@ -331,7 +344,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.precision import get_precision
     from shardlab.sharded import tracing
-    from shardlab.train import optimizer_spec, get_strategy
+    from shardlab.strategy import get_strategy, optimizer_spec
 
     import warnings
 

@@ -181,7 +181,56 @@ class ToyBuffers(ToyNet):
 
 TOY_MODELS = {"toy-frozen": ToyFrozen, "toy-unused": ToyUnused, "toy-tied": ToyTied,
               "toy-buffers": ToyBuffers}
-MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A `transformers` model built from a config (random weights, nothing downloaded):
+    the architecture of a real checkpoint at toy size, with what real models bring that
+    the course's GPT does not: layers under their own names (`model.transformer.h`,
+    `model.model.layers`), rotary buffers, grouped-query attention, a `ModelOutput`."""
+
+    family: str                       # "gpt2" or "llama"
+    config: tuple[tuple[str, object], ...]
+    freeze_embeddings: bool = False   # token embeddings frozen (requires_grad=False)
+
+
+# Dropout is off (each rank would draw its own masks) and the byte vocabulary is the
+# course's, so every rank computes exactly what one process computes.
+_GPT2 = (("n_layer", 2), ("n_head", 4), ("n_embd", 64), ("vocab_size", VOCAB_SIZE),
+         ("n_positions", 64), ("resid_pdrop", 0.0), ("embd_pdrop", 0.0),
+         ("attn_pdrop", 0.0), ("bos_token_id", 0), ("eos_token_id", 0))
+_LLAMA = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 176),
+          ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", VOCAB_SIZE),
+          ("max_position_embeddings", 64), ("bos_token_id", 0), ("eos_token_id", 0),
+          ("pad_token_id", 0))
+HF_MODELS = {
+    "hf-gpt2": HFModel("gpt2", _GPT2),                       # tied embedding and head
+    "hf-gpt2-frozen-emb": HFModel("gpt2", _GPT2, freeze_embeddings=True),
+    "hf-llama": HFModel("llama", _LLAMA),                    # GQA: 4 query, 2 kv heads
+    "hf-llama-frozen-emb": HFModel("llama", _LLAMA, freeze_embeddings=True),
+}
+MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS) + tuple(HF_MODELS)
+
+
+def build_hf_model(spec: HFModel) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("the hf-* models need Hugging Face transformers: "
+                         "pip install transformers") from None
+    config_class, model_class = {
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[spec.family]
+    config = config_class(**dict(spec.config), use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = model_class(config)
+    if spec.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    return model
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
@@ -192,12 +241,20 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         if name in GPT_CONFIGS:
             return GPT(GPT_CONFIGS[name])
+        if name in HF_MODELS:
+            return build_hf_model(HF_MODELS[name])
         return TOY_MODELS[name]()
 
 
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def logits_of(output) -> torch.Tensor:
+    """The logits of a forward: the tensor itself, or a `ModelOutput`'s `.logits`."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy, mean over the local batch. Computed in fp32 even for bf16 logits, so
     the loss (and the first gradient) does not lose digits to the low-precision format."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 

@@ -50,6 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.precision import Precision
+from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, build_optimizer, cast_model,
+                               check_options, inner_optimizer, owned_ranges, state_of)
+from shardlab.wrap import unit_modules
 
 
 # A timeline of the schedule, for the chapters: when set to a list (see `tracing`), every
@@ -100,6 +104,7 @@ class ParamSlot:
     name: str                                # its name in the model (the first, if tied)
     param: nn.Parameter                      # the original parameter (kept for its metadata)
     owners: list[tuple[nn.Module, str]]      # every (module, attribute) that holds it
+    aliases: tuple[str, ...] = ()            # its other names (a tied weight)
 
     @property
     def shape(self) -> torch.Size:
@@ -169,13 +174,14 @@ class ShardedUnit:
     """The schedule of one unit; a subclass supplies the layout of its flat buffer.
 
     A layout defines, with S = `shard_numel` elements per rank:
-      all_gather_input()            this rank's S elements, in the dtype to communicate
-      use_gathered(full)            make the full parameters from the gathered N*S buffer
+      start_all_gathers()           launch the all-gather(s) of this rank's S elements
+      use_gathered()                make the full parameters from what was gathered
       free_unsharded()              release the full parameters' memory
       reduce_scatter_input(grads)   the N*S buffer of full gradients (padded), in reduce dtype
       add_sharded_grads(reduced)    store / accumulate this rank's S reduced elements
       register_sharded()            make the modules hold the shards again
       gather_full(rank0_only)       {name: full tensor} in the shards' own dtype
+      pieces(masters, optimizer)    this rank's pieces of each parameter, for checkpoints
     """
 
     def __init__(self, module: nn.Module, slots: list[ParamSlot], *, group=None,
@@ -193,7 +199,7 @@ class ShardedUnit:
         self.offload = offload  # shards, their gradients and the optimizer step on the CPU
         self.device = device or torch.device("cpu")  # where forward and backward compute
         self.state = ShardedState.SHARDED
-        self.pending_gather = None           # (work, buffer) of an all-gather in flight
+        self.pending_gather = None           # the works of the all-gathers in flight
         self.pending_reduce = None           # (work, input, output) of a reduce-scatter
         self.unsharded_params: list[nn.Parameter] = []
         self.forward_prefetch: list[ShardedUnit] = []
@@ -215,22 +221,20 @@ class ShardedUnit:
         if not self.slots:  # a root whose children hold every parameter
             self.state = ShardedState.UNSHARDED
             return
-        local = self.all_gather_input()
-        full = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         _trace(self, "all-gather", "start")
-        work = all_gather_into(full, local, group=self.group, async_op=True)
-        _trace_completion(self, "all-gather", work)
-        self.pending_gather = (work, full)
+        works = self.start_all_gathers()
+        _trace_completion(self, "all-gather", works[-1])
+        self.pending_gather = works
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         if self.pending_gather is None:
             return
-        work, full = self.pending_gather
-        work.wait()
+        for work in self.pending_gather:
+            work.wait()
         self.pending_gather = None
-        self.use_gathered(full)
+        self.use_gathered()
         for slot, p in zip(self.slots, self.unsharded_params):
             for module, attr in slot.owners:
                 set_param(module, attr, p)
@@ -264,17 +268,24 @@ class ShardedUnit:
             self.model_state.record_forward(self)
             self.needs_post_backward = True
             self.pre_backward_done = False
-            args = self.register_post_backward(args)
+            args, kwargs = self.register_post_backward(args, kwargs)
         _trace(self, "forward", "start")
         return args, kwargs
 
-    def register_post_backward(self, args):
-        flat = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    def register_post_backward(self, args, kwargs):
+        """Route the unit's inputs that need a gradient through `RegisterPostBackward`,
+        positional or by keyword (Hugging Face layers take `hidden_states=` either way)."""
+        def needs_grad(a):
+            return isinstance(a, torch.Tensor) and a.requires_grad
+
+        flat = [a for a in args if needs_grad(a)] + [v for v in kwargs.values()
+                                                     if needs_grad(v)]
         if not flat:
-            return args
+            return args, kwargs
         outs = iter(RegisterPostBackward.apply(self, *flat))
-        return tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a
-                     for a in args)
+        args = tuple(next(outs) if needs_grad(a) else a for a in args)
+        kwargs = {k: next(outs) if needs_grad(v) else v for k, v in kwargs.items()}
+        return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
         _trace(self, "forward", "end")
@@ -379,115 +390,140 @@ def _tensors(output) -> list[torch.Tensor]:
 # ====================================================================== ZeRO-3's layout
 
 
-class FlatUnit(ShardedUnit):
-    """ZeRO-3: the unit's parameters as one flat 1-D buffer, padded and split N ways.
+class FlatBuffer:
+    """Some parameters of a unit back to back in one 1-D buffer, padded to N*S elements
+    and split N ways: this rank keeps `shard`, elements [rank*S, (rank+1)*S). Gathered,
+    the buffer `full` *is* the parameters: each is a view into it, no copy."""
 
-    Trainable parameters come first, frozen ones last, so this rank's piece splits into at
-    most two views: `flat_param` (trained) and `flat_param_frozen` (never stepped). Both
-    share one storage, the all-gather input, and are registered on the unit's module in
-    place of the original parameters: the optimizer sees one flat shard per unit.
+    def __init__(self, slots: list[ParamSlot], world: int, rank: int, dtype: torch.dtype,
+                 shard_device: torch.device, device: torch.device):
+        self.slots = slots
+        self.offsets = [sum(s.numel for s in slots[:i]) for i in range(len(slots))]
+        self.numel = sum(s.numel for s in slots)
+        self.shard_numel = math.ceil(self.numel / world)
+        self.requires_grad = slots[0].param.requires_grad
+        flat = torch.zeros(world * self.shard_numel, dtype=dtype)
+        torch.cat([s.param.detach().reshape(-1).to(dtype) for s in slots],
+                  out=flat[:self.numel])
+        mine = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        # The padding is stepped too when trained (its gradient is zero, so it stays
+        # zero): every rank then steps exactly S elements.
+        self.shard = nn.Parameter(mine.clone().to(shard_device),
+                                  requires_grad=self.requires_grad)
+        # Allocated once, its storage freed (resized to 0) while sharded. The unsharded
+        # parameters are views of it, created once, so that autograd's saved tensors and
+        # gradient accumulation see the same objects every time.
+        self.full = torch.empty(world * self.shard_numel, dtype=dtype, device=device)
+        self.unsharded = [nn.Parameter(self.full[o:o + s.numel].view(s.shape),
+                                       requires_grad=self.requires_grad)
+                          for o, s in zip(self.offsets, slots)]
+
+
+class FlatUnit(ShardedUnit):
+    """ZeRO-3: the unit's parameters as flat 1-D buffers, padded and split N ways.
+
+    Trainable and frozen parameters go into two buffers, `flat_param` and
+    `flat_param_frozen`, each split N ways, so that every rank holds 1/N of each: in one
+    buffer, the ranks whose piece fell on the frozen end would hold no gradient and no
+    optimizer state while the others held all of it. The shards are registered on the
+    unit's module in place of the original parameters: the optimizer sees one flat shard
+    per unit. (DeepSpeed cuts each parameter on its own instead; FSDP1 flattens like this.)
     """
 
     def __init__(self, module, slots, **kwargs):
         super().__init__(module, slots, **kwargs)
-        slots.sort(key=lambda s: not s.param.requires_grad)  # trainable first (stable)
-        self.offsets = []
-        total = 0
-        for s in slots:
-            self.offsets.append(total)
-            total += s.numel
-        self.numel = total
-        self.trainable_numel = sum(s.numel for s in slots if s.param.requires_grad)
-        self.shard_numel = math.ceil(total / self.world)
-        self.padding = self.world * self.shard_numel - total
-        dtype = self.param_dtype or slots[0].param.dtype
-        if any(s.param.dtype != slots[0].param.dtype for s in slots):
+        dtypes = {s.param.dtype for s in slots}
+        if len(dtypes) > 1:
             raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes "
-                             f"{sorted({str(s.param.dtype) for s in slots})}: a flat buffer "
-                             f"has one dtype; cast the model first, or use fsdp2, whose "
-                             f"per-parameter shards keep each dtype")
+                             f"{sorted(map(str, dtypes))}: a flat buffer has one dtype; "
+                             f"cast the model first, or use fsdp2, whose per-parameter "
+                             f"shards keep each dtype")
+        dtype = self.param_dtype or (slots[0].param.dtype if slots else torch.float32)
         self.param_dtype = self.reduce_dtype = dtype
-        full = torch.zeros(self.world * self.shard_numel, dtype=dtype)
-        torch.cat([s.param.detach().reshape(-1).to(dtype) for s in slots], out=full[:total])
-        start, stop = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
-        self.flat_shard = full[start:stop].clone().to(self.shard_device())
-        self.has_frozen = self.trainable_numel < total
-        # Without frozen parameters the padding is trained too (its gradient is zero, so
-        # it stays zero): every rank then steps exactly S elements.
-        trained_end = self.trainable_numel if self.has_frozen else self.world * self.shard_numel
-        k = min(max(trained_end - start, 0), self.shard_numel)
-        self.flat_param = nn.Parameter(self.flat_shard[:k], requires_grad=True)
-        self.flat_param_frozen = nn.Parameter(self.flat_shard[k:], requires_grad=False)
-        # The full buffer: allocated once, its storage freed (resized to 0) when sharded.
-        # The unsharded parameters are views into it, created once, so autograd's saved
-        # tensors and gradient accumulation see the same objects every time.
-        self.full_buffer = torch.empty(self.world * self.shard_numel, dtype=dtype,
-                                       device=self.device)
-        self.unsharded_params = [
-            nn.Parameter(self.full_buffer[o:o + s.numel].view(s.shape),
-                         requires_grad=s.param.requires_grad)
-            for o, s in zip(self.offsets, slots)]
+        trainable = [s for s in slots if s.param.requires_grad]
+        frozen = [s for s in slots if not s.param.requires_grad]
+        slots[:] = trainable + frozen  # the order of the buffers, and of unsharded_params
+        self.buffers = [FlatBuffer(group, self.world, self.rank, dtype, self.shard_device(),
+                                   self.device) for group in (trainable, frozen) if group]
+        self.trained = next((b for b in self.buffers if b.requires_grad), None)
+        self.flat_param = self.trained.shard if self.trained is not None else None
+        self.shard_numel = sum(b.shard_numel for b in self.buffers)
+        self.padding = self.world * self.shard_numel - sum(b.numel for b in self.buffers)
+        self.unsharded_params = [p for b in self.buffers for p in b.unsharded]
         self.free_unsharded()
         self.register_sharded()
 
-    def all_gather_input(self) -> torch.Tensor:
-        return self.flat_shard.to(self.device, non_blocking=True)
-
-    def unshard(self, async_op: bool = False) -> None:
-        # Gather straight into the persistent buffer: the views *are* the full parameters.
-        if self.state is ShardedState.UNSHARDED or self.pending_gather is not None:
-            return
-        storage = self.full_buffer.untyped_storage()
-        storage.resize_(self.full_buffer.numel() * self.full_buffer.element_size())
+    def start_all_gathers(self) -> list:
+        # Gather straight into the persistent buffers: their views *are* the parameters.
         # `.data` is an alias with its own version counter: writing the gathered values
         # must not look like an in-place change to the tensors autograd saved.
-        _trace(self, "all-gather", "start")
-        work = all_gather_into(self.full_buffer.data, self.all_gather_input(),
-                               group=self.group, async_op=True)
-        _trace_completion(self, "all-gather", work)
-        self.pending_gather = (work, self.full_buffer)
-        if not async_op:
-            self.wait_for_unshard()
+        works = []
+        for b in self.buffers:
+            b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+            works.append(all_gather_into(b.full.data, b.shard.detach().to(self.device),
+                                         group=self.group, async_op=True))
+        return works
 
-    def use_gathered(self, full: torch.Tensor) -> None:
-        pass  # the unsharded parameters are views of the buffer just filled
+    def use_gathered(self) -> None:
+        pass  # the unsharded parameters are views of the buffers just filled
 
     def free_unsharded(self) -> None:
-        self.full_buffer.untyped_storage().resize_(0)
+        for b in self.buffers:
+            b.full.untyped_storage().resize_(0)
 
     def register_sharded(self) -> None:
         for s in self.slots:
             for module, attr in s.owners:
                 module._parameters.pop(attr, None)
-        self.module._parameters["flat_param"] = self.flat_param
-        if self.has_frozen:
-            self.module._parameters["flat_param_frozen"] = self.flat_param_frozen
+        for b in self.buffers:
+            name = "flat_param" if b.requires_grad else "flat_param_frozen"
+            self.module._parameters[name] = b.shard
 
     def reduce_scatter_input(self, grads):
-        full = torch.empty(self.world * self.shard_numel, dtype=self.reduce_dtype,
+        b = self.trained  # frozen parameters have no gradient to reduce
+        full = torch.zeros(self.world * b.shard_numel, dtype=self.reduce_dtype,
                            device=self.device)
-        for o, s, g in zip(self.offsets, self.slots, grads):
-            if g is None:
-                full[o:o + s.numel].zero_()
-            else:
+        for o, s, g in zip(b.offsets, b.slots, grads):
+            if g is not None:
                 full[o:o + s.numel].copy_(g.reshape(-1))
-        full[self.numel:].zero_()
         return full
 
     def add_sharded_grads(self, reduced: torch.Tensor) -> None:
-        grad = reduced[:self.flat_param.numel()].to(self.shard_device())
+        grad = reduced.to(self.shard_device())
         if self.flat_param.grad is None:
             self.flat_param.grad = grad
         else:
             self.flat_param.grad += grad
 
     def gather_full(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        full = _gather_shard(self.flat_shard.to(self.device), self.world, self.group,
-                             rank0_only)
-        if full is None:
-            return {}
-        return {s.name: full[o:o + s.numel].view(s.shape).clone()
-                for o, s in zip(self.offsets, self.slots)}
+        out = {}
+        for b in self.buffers:
+            full = _gather_shard(b.shard.detach().to(self.device), self.world, self.group,
+                                 rank0_only)
+            if full is not None:
+                out.update({s.name: full[o:o + s.numel].view(s.shape).clone()
+                            for o, s in zip(b.offsets, b.slots)})
+        return out
+
+    def pieces(self, masters: dict[int, torch.Tensor], optimizer) -> list[Piece]:
+        out = []
+        for b in self.buffers:
+            S = b.shard_numel
+            master = masters.get(id(b.shard))
+            stepped = master if master is not None else b.shard
+            for s, o in zip(b.slots, b.offsets):
+                ranges = owned_ranges(o, o + s.numel, lambda r: r * S, self.world)
+                mine = next(((a, z) for r, a, z in ranges if r == self.rank), None)
+                a, z = mine or (0, 0)  # (0, 0): none of it here
+                window = (slice(o + a - self.rank * S, o + z - self.rank * S) if z > a
+                          else slice(0, 0))
+                out.append(Piece(
+                    s.name, s.shape, a, z, b.shard.detach()[window], ranges,
+                    master=None if master is None else master.detach()[window],
+                    optimizer_state=state_of(optimizer, stepped, window)
+                    if b.requires_grad else dict,
+                    aliases=s.aliases))
+        return out
 
 
 def _gather_shard(shard: torch.Tensor, world: int, group, rank0_only: bool):
@@ -555,16 +591,20 @@ class PerParamUnit(ShardedUnit):
         self.free_unsharded()
         self.register_sharded()
 
-    def all_gather_input(self) -> torch.Tensor:
-        return self.local_flat.to(self.device, self.param_dtype, non_blocking=True)
+    def start_all_gathers(self) -> list:
+        local = self.local_flat.to(self.device, self.param_dtype, non_blocking=True)
+        self.gathered = torch.empty(self.world * local.numel(), dtype=local.dtype,
+                                    device=local.device)
+        return [all_gather_into(self.gathered, local, group=self.group, async_op=True)]
 
-    def use_gathered(self, full: torch.Tensor) -> None:
+    def use_gathered(self) -> None:
         outs = []
         for padded, n in zip(self.padded_unsharded, self.shard_numels):
             padded.untyped_storage().resize_(padded.numel() * padded.element_size())
-            outs.append(padded.data.view(self.world, n))  # .data: see FlatUnit.unshard
-        torch.split_with_sizes_copy(full.view(self.world, self.shard_numel),
+            outs.append(padded.data.view(self.world, n))  # .data: see FlatUnit
+        torch.split_with_sizes_copy(self.gathered.view(self.world, self.shard_numel),
                                     self.shard_numels, dim=1, out=outs)
+        self.gathered = None
 
     def free_unsharded(self) -> None:
         for padded in self.padded_unsharded:
@@ -575,10 +615,23 @@ class PerParamUnit(ShardedUnit):
             for module, attr in s.owners:
                 set_param(module, attr, p)
 
+    def trained_chunks(self):
+        """(parameter, S-offset, elements) of each trainable parameter in the rank-major
+        reduce-scatter buffer: frozen parameters have no gradient, so they take no room."""
+        offset = 0
+        for p, n in zip(self.sharded_params, self.shard_numels):
+            if p.requires_grad:
+                yield p, offset, n
+                offset += n
+
     def reduce_scatter_input(self, grads):
-        full = torch.empty(self.world, self.shard_numel, dtype=self.reduce_dtype,
-                           device=self.device)
-        for s, g, off, n in zip(self.slots, grads, self.offsets, self.shard_numels):
+        trained = {id(p): (off, n) for p, off, n in self.trained_chunks()}
+        width = sum(n for _, n in trained.values())
+        full = torch.empty(self.world, width, dtype=self.reduce_dtype, device=self.device)
+        for p, g in zip(self.sharded_params, grads):
+            if id(p) not in trained:
+                continue
+            off, n = trained[id(p)]
             chunks = full[:, off:off + n]  # rank r's chunk of this parameter in row r
             if g is None:
                 chunks.zero_()
@@ -594,19 +647,33 @@ class PerParamUnit(ShardedUnit):
         return full.view(-1)
 
     def add_sharded_grads(self, reduced: torch.Tensor) -> None:
-        reduced = reduced.to(self.shard_device(), self.orig_dtype)
         # Views of one buffer: the gradients of a unit are one allocation, like the shards.
-        # (A frozen parameter's slice is then wasted; clone the others to give it back.)
-        frozen = any(not p.requires_grad for p in self.sharded_params)
-        for p, off, n in zip(self.sharded_params, self.offsets, self.shard_numels):
-            if not p.requires_grad:
-                continue
+        reduced = reduced.to(self.shard_device(), self.orig_dtype)
+        for p, off, n in self.trained_chunks():
             g = reduced[off:off + n].view(p.shape)
-            g = g.clone() if frozen else g
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad += g
+
+    def pieces(self, masters: dict[int, torch.Tensor], optimizer) -> list[Piece]:
+        out = []
+        for s, p, rows in zip(self.slots, self.sharded_params, self.rows):
+            cols = s.numel // s.shape[0]
+            ranges = owned_ranges(0, s.numel, lambda r: min(r * rows, s.shape[0]) * cols,
+                                  self.world)
+            mine = next(((a, z) for r, a, z in ranges if r == self.rank), None)
+            a, z = mine or (0, 0)  # (0, 0): none of it here
+            window = slice(0, z - a)
+            master = masters.get(id(p))
+            stepped = master if master is not None else p
+            out.append(Piece(
+                s.name, s.shape, a, z, p.detach().reshape(-1)[window], ranges,
+                master=None if master is None else master.detach().reshape(-1)[window],
+                optimizer_state=state_of(optimizer, stepped, window)
+                if p.requires_grad else dict,
+                aliases=s.aliases))
+        return out
 
     def gather_full(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         if not self.slots:
@@ -660,8 +727,9 @@ class ShardedModel:
             u.model_state = self
             u.name = names[id(u.module)] or "root"
             for slot in u.slots:
-                module, attr = slot.owners[0]
-                slot.name = f"{names[id(module)]}.{attr}" if names[id(module)] else attr
+                full = [f"{names[id(m)]}.{attr}" if names[id(m)] else attr
+                        for m, attr in slot.owners]
+                slot.name, slot.aliases = full[0], tuple(full[1:])
 
     @staticmethod
     def from_root(root: ShardedUnit) -> "ShardedModel":
@@ -728,6 +796,12 @@ class ShardedModel:
             out.update(u.gather_full(rank0_only))
         return out
 
+    def pieces(self, optimizer) -> list[Piece]:
+        """This rank's pieces of every parameter (`shardlab.strategy.Piece`)."""
+        masters = {id(p): m for p, m in getattr(optimizer, "pairs", [])}
+        inner = inner_optimizer(optimizer)
+        return [piece for u in self.units for piece in u.pieces(masters, inner)]
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the sharding holds besides the module's shards and their gradients: the
         full gradients kept between micro-batches under no_sync (nothing otherwise)."""
@@ -777,24 +851,25 @@ def assign_slots(model: nn.Module, unit_modules: list[nn.Module]) -> list[list[P
     return assigned
 
 
-def shard_units(model: nn.Module, unit_modules: list[nn.Module], unit_class, *,
+def shard_units(model: nn.Module, modules: list[nn.Module], unit_class, *,
                 group=None, prefetch: bool = False, **unit_kwargs) -> ShardedModel:
-    """Shard `model` into one unit per module of `unit_modules` (the root last)."""
+    """Shard `model` into one unit per module of `modules` (`shardlab.wrap.unit_modules`:
+    children before parents, the model last). A unit left without parameters is skipped,
+    except the root, which runs the step's first and last hooks whatever it holds."""
+    if not modules or modules[-1] is not model:
+        raise ValueError("the last unit must be the model itself (the root), which runs "
+                         "first and last in every step: build the list with "
+                         "shardlab.wrap.unit_modules")
     check_same_on_all_ranks(list(collect_named(model)), group)
     units = []
-    for module, slots in zip(unit_modules, assign_slots(model, unit_modules)):
-        if not slots:
+    for module, slots in zip(modules, assign_slots(model, modules)):
+        if not slots and module is not model:
             continue
         unit = unit_class(module, slots, group=group, **unit_kwargs)
         module.__dict__.setdefault("_sharded_units", []).append(unit)
         unit.install_hooks()
         units.append(unit)
-    root = units[-1] if unit_modules[-1] is model else None
-    if root is None or root.module is not model:
-        raise ValueError("the last unit must be the model itself (the root), which runs "
-                         "first and last in every step")
-    state = ShardedModel(root, units, prefetch=prefetch)
-    return state
+    return ShardedModel(units[-1], units, prefetch=prefetch)
 
 
 def collect_named(model: nn.Module):
@@ -806,43 +881,24 @@ def collect_named(model: nn.Module):
 ZERO3_OPTIONS = {"wrap": "auto", "prefetch": False, "reshard_after_forward": True}
 
 
-def wrap_zero3(model: nn.Module, precision, optimizer, options: dict):
-    """ZeRO-3: each block a unit (one flat padded shard), the rest of the model the root.
+def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """ZeRO-3: each unit one flat padded shard (two with frozen parameters), the rest of
+    the model the root.
 
-    options: wrap ("auto": "blocks" if the model has `.blocks`, else "model"; "blocks":
-    each of `model.blocks`, then the model; "model": one unit; or a function
-    module -> bool choosing the unit modules, which must include the model itself),
-    prefetch (all-gather the next unit while this one computes),
-    reshard_after_forward (True: free after forward, gather again for backward).
+    options: wrap (a policy of `shardlab.wrap`: "auto", "blocks", "model", "class:Name",
+    "min-params:N", classes or a function module -> bool), prefetch (all-gather the next
+    unit while this one computes), reshard_after_forward (True: free after forward,
+    gather again for backward).
     """
-    from shardlab.train import Wrapped, build_optimizer, cast_model, check_options
-
     options = check_options("zero3", options, ZERO3_OPTIONS)
-    units = unit_modules_for(model, options["wrap"])
+    units = unit_modules(model, options["wrap"])
     model = cast_model(model, precision)
     device = next(model.parameters()).device
     state = shard_units(model, units, FlatUnit, prefetch=bool(options["prefetch"]),
                         reshard_after_forward=bool(options["reshard_after_forward"]),
                         device=device)
-    opt = build_optimizer([u.flat_param for u in state.units], precision, optimizer)
-    wrapped = Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full)
-    wrapped.sharding = state  # has state_tensors(), for measure.state_bytes
-    return wrapped
-
-
-def unit_modules_for(model: nn.Module, wrap) -> list[nn.Module]:
-    """The unit modules, innermost first and the model last, for a wrap policy."""
-    if wrap == "auto":
-        wrap = "blocks" if hasattr(model, "blocks") else "model"
-    if wrap == "blocks":
-        blocks = getattr(model, "blocks", None)
-        if blocks is None:
-            raise ValueError("wrap='blocks' needs a model with `.blocks`; use wrap='model' "
-                             "or a function module -> bool")
-        return [*blocks, model]
-    if wrap == "model":
-        return [model]
-    if callable(wrap):
-        return [m for m in model.modules() if wrap(m)]
-    raise ValueError(f"unknown wrap {wrap!r}; use 'auto', 'blocks', 'model' or a function "
-                     f"module -> bool")
+    opt = build_optimizer([u.flat_param for u in state.units if u.flat_param is not None],
+                          precision, optimizer)
+    return Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full,
+                   pieces=lambda: state.pieces(opt), extra_state=(state,))

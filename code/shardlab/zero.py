@@ -57,8 +57,9 @@ from shardlab.comm import all_gather_into, reduce_scatter_into
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import (InnerOptimizerFace, MasterWeightOptimizer, Precision,
                                 get_precision)
-from shardlab.train import (OptimizerSpec, Wrapped, cast_model, check_options, get_strategy,
-                            named_full_parameters, optimizer_spec)
+from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_options,
+                               get_strategy, named_full_parameters, optimizer_spec,
+                               owned_ranges, state_of, tied_names)
 
 # Options of wrap_zero1 / wrap_zero2, with their defaults.
 ZERO_OPTIONS: dict[str, Any] = {
@@ -290,6 +291,47 @@ class ZeroOptimizer(InnerOptimizerFace):
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
+    # ------------------------------------------------------------------ the layout
+
+    def pieces(self, module: nn.Module) -> list[Piece]:
+        """This rank's pieces of every parameter: a bucket's chunk [r*c, (r+1)*c) holds
+        the end of one parameter and the start of the next; frozen parameters, which no
+        bucket holds, are whole on every rank."""
+        names = tied_names(module)
+        out = []
+        for g in self.groups:
+            for b, shard in zip(g.buckets, g.shards):
+                c = b.chunk_numel(self.world)
+                mine_start = b.start + self.rank * c
+                for p, offset in zip(b.params, b.offsets):
+                    lo = b.start + offset
+                    ranges = owned_ranges(lo, lo + p.numel(), lambda r: b.start + r * c,
+                                          self.world)
+                    mine = next(((a, z) for r, a, z in ranges if r == self.rank), None)
+                    a, z = mine or (0, 0)  # (0, 0): none of it here
+                    window = (slice(lo + a - mine_start, lo + z - mine_start) if z > a
+                              else slice(0, 0))
+                    out.append(Piece(
+                        names[id(p)][0], p.shape, a, z, g.flat_param[lo + a:lo + z] if z > a
+                        else g.flat_param[:0], ranges,
+                        master=shard.detach()[window] if self.master_weights else None,
+                        optimizer_state=state_of(self.optimizer, shard, window),
+                        aliases=tuple(names[id(p)][1:])))
+        trained = {id(p) for g in self.groups for b in g.buckets for p in b.params}
+        out += [Piece(name, p.shape, 0, p.numel(), p.detach().reshape(-1),
+                      aliases=tuple(names[id(p)][1:]))
+                for name, p in module.named_parameters() if id(p) not in trained]
+        return out
+
+    def all_gather_all(self) -> None:
+        """Every rank's chunks into every rank's buffers (after a checkpoint loaded this
+        rank's chunks only)."""
+        for g in self.groups:
+            if self.master_weights:
+                for b, shard in zip(g.buckets, g.shards):
+                    b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
+            self.all_gather_params(g)
+
     # ------------------------------------------------------------------ collectives
 
     def trace(self, what: str, bucket: int, edge: str) -> None:
@@ -490,7 +532,8 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
                          **optimizer.kwargs)
     # no_sync is not needed: stage 1 reduces only in step(), so micro-batches accumulate
     # locally; stage 2 reduces every micro-batch and accumulates into the shard.
-    return Wrapped(model, zero, full_parameters=lambda: named_full_parameters(model))
+    return Wrapped(model, zero, full_parameters=lambda: named_full_parameters(model),
+                   pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all)
 
 
 def wrap_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -535,6 +578,29 @@ class TorchZero1:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero.zero_grad(set_to_none=set_to_none)
 
+    def pieces(self, module: nn.Module) -> list[Piece]:
+        """Every parameter whole on every rank (DDP), its optimizer state whole on the one
+        rank PyTorch assigned it to: that rank alone writes the parameter (from its fp32
+        master copy under "bf16-mixed") and its state; every rank reads the parameter."""
+        local = self.zero.optim
+        masters = {id(p): m for p, m in getattr(local, "pairs", [])}
+        inner = local.optimizer if isinstance(local, MasterWeightOptimizer) else local
+        owned = {id(p) for group in local.param_groups for p in group["params"]}
+        owned |= {id(p) for p in masters}
+        names = tied_names(module)
+        out = []
+        for name, p in module.named_parameters():
+            mine = id(p) in owned
+            master = masters.get(id(p))
+            stepped = master if master is not None else p
+            out.append(Piece(name, p.shape, 0, p.numel(), p.detach().reshape(-1),
+                             master=None if master is None else master.detach().reshape(-1),
+                             optimizer_state=state_of(inner, stepped, slice(None))
+                             if mine else dict,
+                             writer=mine or not p.requires_grad,
+                             aliases=tuple(names[id(p)][1:])))
+        return out
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         local = self.zero.optim
         optimizer = [t for state in local.state.values() for t in state.values()
@@ -553,7 +619,8 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
     model = cast_model(model, precision)
     ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"])
     zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
-    return Wrapped(ddp, zero, ddp.no_sync, lambda: named_full_parameters(model))
+    return Wrapped(ddp, zero, ddp.no_sync, lambda: named_full_parameters(model),
+                   pieces=lambda: zero.pieces(model), module=model)
 
 
 # --------------------------------------------------------------------------- a worker

@@ -1,0 +1,124 @@
+"""`python -m shardlab train`: the training loop from the command line.
+
+    python -m shardlab train --strategy zero3 --world 4 --steps 20 --save-every 5
+    torchrun --nproc-per-node=4 -m shardlab train --strategy fsdp2
+
+It builds a `shardlab.train.TrainConfig` from the arguments, runs it on `--world` ranks
+(or under torchrun), and prints the ranks' summary table (`shardlab.report`), optionally
+writing the whole report as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardlab.launch import under_torchrun
+from shardlab.models import MODEL_NAMES
+from shardlab.report import report_to_json, summary_table
+from shardlab.strategy import OPTIMIZERS, STRATEGIES
+from shardlab.train import TrainConfig, run
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--option takes key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    lowered = value.lower()
+    return key, {"true": True, "false": False}.get(lowered, value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardlab.precision import PRECISIONS
+    p = argparse.ArgumentParser(
+        prog="python -m shardlab train",
+        description="Train a small GPT with any strategy, through the launcher "
+                    "(--world N) or under torchrun (torchrun --nproc-per-node=N -m "
+                    "shardlab train ...).")
+    defaults = TrainConfig()
+    p.add_argument("--strategy", default=defaults.strategy, choices=sorted(STRATEGIES))
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks to launch (default 1; under torchrun: its WORLD_SIZE)")
+    p.add_argument("--model", default=defaults.model, choices=list(MODEL_NAMES))
+    p.add_argument("--precision", default=defaults.precision, choices=sorted(PRECISIONS))
+    p.add_argument("--optimizer", default=defaults.optimizer, choices=sorted(OPTIMIZERS))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                   help="global batch of one step, split among the ranks")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--option", action="append", type=_parse_option, default=[],
+                   metavar="KEY=VALUE", help="a strategy option, e.g. bucket_mb=4 (repeatable)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    p.add_argument("--no-ledger", action="store_true", help="skip recording collectives")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a sharded checkpoint every N steps (0: never)")
+    p.add_argument("--checkpoint-dir", default="checkpoints", metavar="DIR",
+                   help="where checkpoints go, one folder per step (default: checkpoints)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="FOLDER",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, "
+                        "or from FOLDER; train up to --steps")
+    p.add_argument("--resume-world", type=int, default=None, metavar="N",
+                   help="resume on N ranks, whatever world size saved the checkpoint "
+                        "(the same as --world N with --resume)")
+    p.add_argument("--export", metavar="PATH",
+                   help="after training, write the full unsharded state dict (torch.save)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torchrun = under_torchrun()
+    if args.resume_world is not None and args.world is not None \
+            and args.resume_world != args.world:
+        print("error: --resume-world and --world disagree; give one of them",
+              file=sys.stderr)
+        return 2
+    if args.resume_world is not None and not args.resume:
+        args.resume = True
+    world = args.resume_world or args.world or (int(os.environ["WORLD_SIZE"]) if torchrun
+                                                else 1)
+    if args.strategy == "single" and (world != 1 or (torchrun and
+                                                     int(os.environ["WORLD_SIZE"]) != 1)):
+        print("error: strategy 'single' runs on one process: use --world 1 "
+              "(or torchrun --nproc-per-node=1)", file=sys.stderr)
+        return 2
+    config = TrainConfig(strategy=args.strategy, world=world, model=args.model,
+                         precision=args.precision, optimizer=args.optimizer, lr=args.lr,
+                         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                         grad_accum=args.grad_accum, seed=args.seed,
+                         options=dict(args.option), measure_memory=not args.no_memory,
+                         record_ledger=not args.no_ledger, save_every=args.save_every,
+                         checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                         export_path=args.export)
+    try:
+        reports = run(config, backend=args.backend, progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0
+    if reports[0].first_step:
+        print(f"\nresumed at step {reports[0].first_step}")
+    print(f"\n{config.strategy} on {world} rank(s): {config.model} "
+          f"({reports[0].psi:,} parameters), {config.precision}, {config.optimizer}, "
+          f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    print(summary_table(reports))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_to_json(config, reports), indent=1))
+        print(f"report written to {args.json}")
+    return 0

@@ -1,0 +1,291 @@
+"""The contract between a strategy and everything that reads it.
+
+A *strategy* is a function that takes the model every rank built identically and hands
+back a `Wrapped`, so the loop stays the ordinary PyTorch one for all of them:
+
+    wrapped = get_strategy("zero3")(model, precision, optimizer_spec, options)
+    loss = loss_fn(wrapped.model(x), y); loss.backward()
+    wrapped.optimizer.step(); wrapped.optimizer.zero_grad()
+
+Three kinds of readers use what a strategy hands back, and each reads only the declared
+fields of `Wrapped`, never a strategy's private names:
+
+* the loop (`shardlab.train`): `model`, `optimizer`, `no_sync`;
+* `shardlab.measure`: `holders()`, the objects whose tensors are this rank's model state;
+* `shardlab.checkpoint`: `pieces()`, which says which piece of every parameter (and of
+  its optimizer state) this rank holds, and `after_load()`.
+
+A strategy that cannot say how its state is laid out leaves `pieces` unset, and a
+checkpoint then refuses to save or load it instead of guessing.
+
+This module sits below the strategies and above the ground (`precision`, `models`): the
+strategies import it, and it imports none of them (the registry names them as strings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from shardlab.measure import local_tensor
+from shardlab.precision import MasterWeightOptimizer, Precision
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+@dataclass
+class OptimizerSpec:
+    """Which torch.optim class to build, and with what arguments, over whatever
+    parameters (or shards, or fp32 master copies) a strategy decides to optimize."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "sgd": (torch.optim.SGD, {}),
+    "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+}
+
+
+def optimizer_spec(name: str, lr: float) -> OptimizerSpec:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {sorted(OPTIMIZERS)}")
+    cls, kwargs = OPTIMIZERS[name]
+    return OptimizerSpec(cls, {"lr": lr, **kwargs})
+
+
+def build_optimizer(params, precision: Precision, spec: OptimizerSpec):
+    """The optimizer over the trainable `params`: through fp32 master weights for
+    "bf16-mixed"."""
+    params = [p for p in params if p.requires_grad]
+    if precision.master_weights:
+        return MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
+    return spec.build(params)
+
+
+def inner_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch.optim optimizer that holds the state (inside ZeRO or master weights)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            raise TypeError(f"{type(optimizer).__name__} holds no torch.optim optimizer "
+                            f"in `.optimizer`")
+        optimizer = inner
+    return optimizer
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+@dataclass
+class Piece:
+    """This rank's piece of one parameter, in the coordinates of the flattened parameter.
+
+    Every strategy of the course cuts a parameter into contiguous ranges of its flattened
+    view: ZeRO-1/2 and ZeRO-3 by cutting a flat buffer, FSDP2 by cutting rows (rows
+    [r*R, (r+1)*R) are the range [r*R*cols, (r+1)*R*cols)), data parallelism not at all
+    (every rank holds [0, numel)). A checkpoint needs nothing more to write any of them in
+    one format and read it back into any other.
+
+    `values` is a 1-D view of the live storage that holds this rank's elements
+    [start, stop) of the parameter as the model computes with it; `master` the same range
+    of the fp32 master copy when the optimizer keeps one apart ("bf16-mixed"): the
+    checkpoint holds the master, and `values` is its cast. `optimizer_state()` returns
+    this piece's optimizer states as 1-D views of the same range (a step counter as the
+    scalar it is), or {} for a frozen parameter or a state this rank does not hold.
+    """
+
+    name: str                                  # the parameter's name (the first, if tied)
+    shape: torch.Size                          # its full shape
+    start: int
+    stop: int
+    values: torch.Tensor
+    # every rank's (rank, start, stop), or None when every rank holds the whole parameter
+    ranges: list[tuple[int, int, int]] | None = None
+    master: torch.Tensor | None = None
+    optimizer_state: Callable[[], dict[str, torch.Tensor]] = dict
+    # False: another rank writes this parameter, the one holding its master copy and
+    # optimizer state whole (ZeroRedundancyOptimizer); this rank only reads it back.
+    writer: bool = True
+    aliases: tuple[str, ...] = ()              # its other names (a tied weight)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def owned_ranges(lo: int, hi: int, boundary: Callable[[int], int],
+                 world: int) -> list[tuple[int, int, int]]:
+    """Every rank's (rank, start, stop) of the parameter that occupies [lo, hi) of a
+    buffer of which rank r owns [boundary(r), boundary(r + 1)); start and stop count
+    from lo, the parameter's first element. Ranks that own none of it are left out."""
+    out = []
+    for r in range(world):
+        a, b = max(lo, boundary(r)), min(hi, boundary(r + 1))
+        if b > a:
+            out.append((r, a - lo, b - lo))
+    return out
+
+
+def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+             window: slice) -> Callable[[], dict[str, torch.Tensor]]:
+    """`Piece.optimizer_state` for a piece that is `window` of the flattened tensor that
+    `optimizer` steps as `param` (a shard, a master copy, the parameter itself)."""
+
+    def read() -> dict[str, torch.Tensor]:
+        out = {}
+        numel = local_tensor(param).numel()
+        for key, value in optimizer.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            value = local_tensor(value)
+            if value.dim() > 0 and value.numel() == numel:
+                out[key] = value.detach().reshape(-1)[window]
+            else:  # Adam's step counter: one number, the same for every piece
+                out[key] = value
+        return out
+
+    return read
+
+
+def tied_names(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> all its names in `module`, the first one first."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def replicated_pieces(module: nn.Module, optimizer) -> list[Piece]:
+    """The pieces of a strategy that keeps every parameter whole on every rank."""
+    masters = {id(p): m for p, m in getattr(optimizer, "pairs", [])}
+    inner = inner_optimizer(optimizer)
+    names = tied_names(module)
+    out = []
+    for name, p in module.named_parameters():
+        master = masters.get(id(p))
+        stepped = master if master is not None else p
+        out.append(Piece(name, p.shape, 0, p.numel(), p.detach().reshape(-1),
+                         master=None if master is None else master.detach().reshape(-1),
+                         optimizer_state=state_of(inner, stepped, slice(None))
+                         if p.requires_grad else dict,
+                         aliases=tuple(names[id(p)][1:])))
+    return out
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+@dataclass
+class Wrapped:
+    """What a strategy hands back: the loop's objects, and the declarations its readers
+    need (see the module's docstring). Every field but `model` and `optimizer` has a
+    default that is right for a plain, unsharded model."""
+
+    model: nn.Module          # what the loop calls: the model, or a wrapper around it
+    optimizer: Any            # has step() and zero_grad()
+    # Gradient accumulation: micro-batches before the last run under no_sync().
+    no_sync: Callable[[], ContextManager] = contextlib.nullcontext
+    # The full (unsharded) parameters by their original names, on every rank: parity
+    # tests compare these with the single-process reference.
+    full_parameters: Callable[[], dict[str, torch.Tensor]] | None = None
+    # The checkpoint layout: this rank's pieces of every parameter. None: the strategy
+    # cannot say, and `shardlab.checkpoint` refuses it (with `checkpoint_refusal`).
+    pieces: Callable[[], list[Piece]] | None = None
+    # What to do once a checkpoint wrote this rank's pieces (ZeRO-1/2 all-gather the
+    # parameters every rank needs whole).
+    after_load: Callable[[], None] = lambda: None
+    # Objects besides model and optimizer whose `state_tensors()` are model state this
+    # rank holds (a sharded model's unreduced gradients under no_sync).
+    extra_state: tuple[Any, ...] = ()
+    # The user's module inside any wrapper (DistributedDataParallel's `.module`): where
+    # the parameters' names and the buffers are read.
+    module: nn.Module | None = None
+    checkpoint_refusal: str = ("this Wrapped declares no checkpoint layout (`pieces`): "
+                               "build it with shardlab.strategy.get_strategy(name), or "
+                               "pass pieces=lambda: replicated_pieces(model, optimizer) "
+                               "for a model every rank holds whole")
+
+    def __post_init__(self):
+        if self.module is None:
+            self.module = self.model
+
+    def holders(self) -> tuple[Any, ...]:
+        """What `shardlab.measure.state_bytes` and `track_peak` should count."""
+        return (self.model, self.optimizer, *self.extra_state)
+
+
+def replicated(model: nn.Module, optimizer, *, module: nn.Module | None = None,
+               **fields: Any) -> Wrapped:
+    """A `Wrapped` for a strategy that keeps the whole model on every rank."""
+    module = model if module is None else module
+    return Wrapped(model, optimizer, module=module,
+                   pieces=lambda: replicated_pieces(module, optimizer),
+                   full_parameters=lambda: named_full_parameters(module), **fields)
+
+
+# ----------------------------------------------------------------------------- helpers
+# shared by every strategy module: the same casting and option checks for all
+
+
+def check_options(strategy: str, options: dict, accepted: dict[str, Any]) -> dict[str, Any]:
+    """`accepted` maps each option a strategy takes to its default; return the merged
+    options, or raise naming the accepted ones."""
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} got unknown option(s) {unknown}; it accepts "
+                         f"{sorted(accepted) if accepted else 'no options'}")
+    return {**accepted, **options}
+
+
+def cast_model(model: nn.Module, precision: Precision) -> nn.Module:
+    """Cast parameters and floating-point buffers to the precision's parameter dtype."""
+    return model.to(precision.param_dtype)
+
+
+def named_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of a (replicated, unsharded) model's parameters by name."""
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- the registry
+
+# name -> "module:function"; resolved on use, so that registering a strategy never
+# imports every strategy module (and this module imports none of them).
+STRATEGIES: dict[str, str] = {
+    "single": "shardlab.strategy:wrap_single",
+    "ddp": "shardlab.ddp:wrap_ddp",
+    "ddp-naive": "shardlab.ddp:wrap_ddp_naive",
+    "torch-ddp": "shardlab.ddp:wrap_torch_ddp",
+    "zero1": "shardlab.zero:wrap_zero1",
+    "zero2": "shardlab.zero:wrap_zero2",
+    "torch-zero1": "shardlab.zero:wrap_torch_zero1",
+    "zero3": "shardlab.sharded:wrap_zero3",
+    "fsdp2": "shardlab.fsdp:wrap_fsdp2",
+    "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
+}
+
+
+def get_strategy(name: str) -> Callable[..., Wrapped]:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; use one of {sorted(STRATEGIES)}")
+    module_name, fn_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                options: dict) -> Wrapped:
+    """The reference: the model as it is, one process, the whole global batch."""
+    check_options("single", options, {})
+    model = cast_model(model, precision)
+    return replicated(model, build_optimizer(model.parameters(), precision, optimizer))

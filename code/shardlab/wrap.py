@@ -1,0 +1,147 @@
+"""Wrap policies: which modules of a model become units of ZeRO-3 and FSDP2.
+
+A unit is gathered whole before it computes, so the unit is what sets the gathered peak:
+one unit for the whole model gathers the whole model (which is not sharding at all, at
+the peak), one unit per transformer layer gathers one layer. PyTorch offers the same
+choices (`ModuleWrapPolicy`, `transformer_auto_wrap_policy`, `size_based_auto_wrap_policy`,
+`lambda_auto_wrap_policy` for FSDP1; calling `fully_shard` per layer for FSDP2), and so
+does this module, for both of the course's sharded strategies:
+
+    "auto"                      the model's layers if it declares them (the course's GPT:
+                                `.blocks`; a Hugging Face model: the classes it lists
+                                in `_no_split_modules`), else the whole model as one unit
+    "blocks" / "model"          each of `model.blocks` / one unit
+    "class:GPT2Block,Linear"    every module of one of these classes (names or classes)
+    "min-params:100000"         every module holding at least this many parameters that
+                                no chosen submodule holds already (bottom up)
+    a class or tuple of classes every module of one of them
+    a function module -> bool   every module for which it is true
+
+Whatever a policy picks, `unit_modules` returns the units children before parents and
+the model itself last: the root takes the parameters no other unit took, and runs first
+and last in every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+
+WRAP_HELP = ("use 'auto', 'blocks', 'model', 'class:Name[,Name...]', 'min-params:N', "
+             "a module class (or a tuple of them), or a function module -> bool")
+
+
+def layer_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes a Hugging Face model names as its layers (`_no_split_modules`: the
+    modules it never splits across devices), found among its submodules."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def _classes_named(model: nn.Module, names: Iterable[str]) -> tuple[type[nn.Module], ...]:
+    wanted = [n.strip() for n in names if n.strip()]
+    found = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in wanted if n not in found]
+    if missing or not wanted:
+        known = sorted(found)
+        raise ValueError(f"wrap by class: no module of class {missing or wanted} in this "
+                         f"{type(model).__name__}; its module classes are "
+                         f"{known[:12]}{' ...' if len(known) > 12 else ''}")
+    return tuple(found[n] for n in wanted)
+
+
+def _min_params_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Bottom up, as `size_based_auto_wrap_policy`: a module becomes a unit when the
+    parameters it holds outside the units already chosen inside it reach `min_params`."""
+    chosen: list[nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        left = {id(p): p.numel() for p in module.parameters() if id(p) not in claimed}
+        if sum(left.values()) >= min_params:
+            chosen.append(module)
+            claimed.update(left)
+
+    visit(model)
+    return chosen
+
+
+def _parse(model: nn.Module, policy: str) -> Any:
+    """A policy given as text (the CLI's `--wrap`, a config's options) as a policy."""
+    kind, _, value = policy.partition(":")
+    if kind == "class":
+        return _classes_named(model, value.split(","))
+    if kind == "min-params":
+        try:
+            count = int(float(value))
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise ValueError(f"wrap 'min-params:N' needs a whole number N >= 1, got "
+                             f"{value!r}")
+        return count
+    raise ValueError(f"unknown wrap policy {policy!r}; {WRAP_HELP}")
+
+
+def chosen_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
+    """The modules a policy picks (not yet ordered, the model possibly among them)."""
+    if policy == "auto":
+        if hasattr(model, "blocks"):
+            policy = "blocks"
+        else:
+            classes = layer_classes(model)
+            policy = tuple(classes) if classes else "model"
+    if policy == "blocks":
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise ValueError(f"wrap='blocks' needs a model with `.blocks` (this "
+                             f"{type(model).__name__} has none); {WRAP_HELP}")
+        return list(blocks)
+    if policy == "model":
+        return []
+    if isinstance(policy, str):
+        policy = _parse(model, policy)
+    if isinstance(policy, bool) or policy is None:
+        raise ValueError(f"unknown wrap policy {policy!r}; {WRAP_HELP}")
+    if isinstance(policy, int):
+        return _min_params_units(model, policy)
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        policy = (policy,)
+    if isinstance(policy, tuple) and policy and all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
+        return [m for m in model.modules() if isinstance(m, policy)]
+    if callable(policy):
+        return [m for m in model.modules() if policy(m)]
+    raise ValueError(f"unknown wrap policy {policy!r}; {WRAP_HELP}")
+
+
+def unit_modules(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
+    """The unit modules for `policy`: children before their parents, the model last."""
+    chosen = {id(m) for m in chosen_modules(model, policy)}
+    ordered: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:  # post-order: a unit after the units inside it
+        for child in module.children():
+            visit(child)
+        if id(module) in chosen and module is not model and module not in ordered:
+            ordered.append(module)
+
+    visit(model)
+    return [*ordered, model]
+
+
+def describe(model: nn.Module, policy: Any) -> str:
+    """One line for a report: how many units, of which classes."""
+    units = unit_modules(model, policy)
+    kinds: dict[str, int] = {}
+    for m in units[:-1]:
+        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    inner = ", ".join(f"{n} x {c}" for c, n in kinds.items())
+    return f"{len(units)} units: {inner + ' + ' if inner else ''}the root"
+
+
