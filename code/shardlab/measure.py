@@ -188,9 +188,7 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
                             max(0, peak.bytes - sum(states.values()))}
         return
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    tracker = _frozen_aware_mem_tracker()
     modules = [h for h in holders if isinstance(h, nn.Module)]
     module_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     # MemTracker follows the modules' own `.grad`s; a gradient held elsewhere (ZeRO-2's
@@ -220,6 +218,28 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         by[category] += nbytes
         by["other"] -= nbytes
     peak.by_category = by
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_aware_mem_tracker():
+    """PyTorch's MemTracker, made to accept frozen parameters: it hooks the gradient of
+    every parameter it meets, and a tensor that needs no gradient refuses a hook. A
+    frozen parameter is given a placeholder "already hooked" entry instead (it never has
+    a gradient to follow), so models with frozen layers can be tracked too."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
 
 
 class _DeclaredState(torch.optim.Optimizer):
