@@ -4,7 +4,7 @@ models really have the awkward properties the parity tests rely on."""
 import pytest
 import torch
 
-from shardlab.models import (GPT, MODEL_NAMES, VOCAB_SIZE, build_model, corpus_tokens,
+from shardlab.models import (GPT, MODEL_NAMES, VOCAB_SIZE, build_model, corpus_tokens, logits_of,
                              get_batch, loss_fn)
 
 
@@ -29,9 +29,9 @@ def test_build_is_deterministic_and_leaves_the_global_rng_alone(name):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_every_model_returns_logits_over_the_byte_vocabulary(name):
     x, y = get_batch(0, 0, 1, batch_size=4, seq_len=16)
-    logits = build_model(name)(x)
-    assert logits.shape == (4, 16, VOCAB_SIZE)
-    loss = loss_fn(logits, y)
+    output = build_model(name)(x)  # a tensor, or a Hugging Face ModelOutput
+    assert logits_of(output).shape == (4, 16, VOCAB_SIZE)
+    loss = loss_fn(output, y)
     # an untrained model is close to uniform over 256 symbols: loss near ln 256
     assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
 

@@ -190,7 +190,7 @@ def _save(root, step, wrapped, info) -> Path:
         tmp.mkdir(parents=True)
     _barrier()
     state = course_state_dict(wrapped)
-    state["progress.step"] = torch.tensor(step)
+    state["progress.step"] = torch.tensor(step, device="cpu")
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
              no_dist=not dist.is_initialized())
@@ -262,7 +262,7 @@ def _load(folder, wrapped) -> int:
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     state = course_state_dict(wrapped, for_load=True)
     _check_matches(folder, state, parameter_names(wrapped))
-    state["progress.step"] = torch.tensor(0)
+    state["progress.step"] = torch.tensor(0, device="cpu")
     rng_key = f"rng.rank{rank}"
     if rng_key in saved:  # a rank the saving run did not have keeps its own seed
         state[rng_key] = torch.get_rng_state()
@@ -325,15 +325,16 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.precision import get_precision
+    from shardlab.launch import rank_device
     from shardlab.strategy import get_strategy, optimizer_spec
 
     rank, world = _rank_world()
     out = []
     for i, case in enumerate(cases):
         wrapped = get_strategy(case["strategy"])(
-            build_model(case.get("model", "gpt-tiny"), seed=0),
+            build_model(case.get("model", "gpt-tiny"), seed=0).to(rank_device()),
             get_precision(case.get("precision", "fp32")), optimizer_spec("adamw", 1e-3), {})
-        x, y = get_batch(0, rank, world, 8, 16)
+        x, y = (t.to(rank_device()) for t in get_batch(0, rank, world, 8, 16))
         loss_fn(wrapped.model(x), y).backward()
         wrapped.optimizer.step()
         wrapped.optimizer.zero_grad()

@@ -188,7 +188,8 @@ def check_same_tensor(name: str, tensor: torch.Tensor, group=None) -> None:
     code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     meta = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64, device=tensor.device)
     meta[0], meta[1] = code, tensor.dim()
-    meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64,
+                                           device=tensor.device)
     everyone = [torch.empty_like(meta) for _ in range(world)]
     outer = getattr(_local, "depth", 0)
     _local.depth = outer + 1  # the check is not part of the collective's traffic
@@ -378,8 +379,11 @@ def _record_native(describe, args) -> Callable:
         work = out[-1] if isinstance(out, tuple) else out
         if not isinstance(work, torch.ScriptObject):
             return
+        unboxed = dist.Work.unbox(work)
+        if unboxed is None:  # a blocking NCCL collective: it is done, keep the launch time
+            return
         try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
-            future = dist.Work.unbox(work).get_future()
+            future = unboxed.get_future()
         except RuntimeError:  # gloo's send/recv give no future: keep the launch time
             return
 
@@ -574,8 +578,9 @@ def fit_alpha_beta(records: Iterable[CollectiveRecord]) -> tuple[float, float]:
     if len(rows) < 2:
         raise ValueError("fit_alpha_beta needs at least two timed ring collectives "
                          "(world >= 2) of different sizes")
-    x = torch.tensor([[r.rounds, r.rounds * r.round_bytes] for r in rows], dtype=torch.float64)
-    y = torch.tensor([r.seconds for r in rows], dtype=torch.float64)
+    x = torch.tensor([[r.rounds, r.rounds * r.round_bytes] for r in rows], dtype=torch.float64,
+                     device="cpu")
+    y = torch.tensor([r.seconds for r in rows], dtype=torch.float64, device="cpu")
     w = 1.0 / y
     solution = torch.linalg.lstsq(x * w[:, None], (y * w)[:, None]).solution.flatten()
     alpha, inverse_beta = float(solution[0]), float(solution[1])

@@ -64,7 +64,7 @@ def all_reduce_equals_reduce_scatter_all_gather(numel: int = 1024, seed: int = 0
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     g = torch.Generator().manual_seed(seed + rank)
-    x = torch.randint(-100, 101, (numel,), generator=g).float().to(device)
+    x = torch.randint(-100, 101, (numel,), generator=g, device="cpu").float().to(device)
     reduced = x.clone()
     dist.all_reduce(reduced)
     shard = torch.empty(numel // world, device=device)
@@ -217,7 +217,7 @@ def check_ring_module(module: str, lengths=(1, 5, 16, 37),
     for case, (dtype_name, length) in enumerate((d, n) for d in dtypes for n in lengths):
         dtype = getattr(torch, dtype_name)
         g = torch.Generator().manual_seed(100 * case + rank)
-        x = torch.randint(-8, 9, (length,), generator=g).to(device, dtype)
+        x = torch.randint(-8, 9, (length,), generator=g, device="cpu").to(device, dtype)
         chunk = math.ceil(length / world)
         padded = torch.zeros(world * chunk, dtype=dtype, device=device)
         padded[:length] = x

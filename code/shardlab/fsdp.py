@@ -356,7 +356,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for case in cases:
-        model = build_model(case.get("model", "gpt-tiny"), seed=0)
+        model = build_model(case.get("model", "gpt-tiny"), seed=0).to(rank_device())
         wrapped = get_strategy(case["strategy"])(
             model, get_precision(case.get("precision", "fp32")), optimizer_spec("adamw", 1e-3),
             dict(case.get("options", {})))
@@ -364,7 +364,8 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
                  for n, p in wrapped.model.named_parameters()]
         losses, times, counts, events = [], [], {}, []
         for step in range(steps):
-            x, y = get_batch(step, rank, world, batch_size, seq_len)
+            x, y = (t.to(rank_device()) for t in get_batch(step, rank, world, batch_size,
+                                                            seq_len))
             last = step == steps - 1
             counter = CommDebugMode() if last else contextlib.nullcontext()
             tracer = tracing() if last else contextlib.nullcontext()

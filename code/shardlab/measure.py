@@ -151,6 +151,9 @@ class Peak:
     bytes: int = 0
     by_category: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
+    # CUDA only: the caching allocator's peak reserved bytes (what the process took from
+    # the device, allocated or cached: what `nvidia-smi` shows, and what runs out).
+    reserved: int = 0
 
 
 # MemTracker's names -> ours
@@ -183,6 +186,7 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         torch.cuda.synchronize(device)
         peak.device = str(device)
         peak.bytes = int(torch.cuda.max_memory_allocated(device))
+        peak.reserved = int(torch.cuda.max_memory_reserved(device))
         states = state_bytes(*holders)
         peak.by_category = {**states, "activations_and_temporaries":
                             max(0, peak.bytes - sum(states.values()))}

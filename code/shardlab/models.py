@@ -170,8 +170,8 @@ class ToyBuffers(ToyNet):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("channel_scale", 1.0 + 0.1 * torch.randn(16))
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("channel_scale", 1.0 + 0.1 * torch.randn(16, device="cpu"))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long, device="cpu"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -295,7 +295,8 @@ def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, s
                          f"rank={rank}, world={world}, micro={micro}, micro_steps={micro_steps}")
     tokens = corpus_tokens()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    offsets = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=gen)
+    offsets = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=gen,
+                            device="cpu")
     rows = batch_size // (world * micro_steps)
     first = rank * (batch_size // world) + micro * rows
     windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets[first:first + rows]])

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.launch import rank_device
 from shardlab.precision import Precision
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, build_optimizer, cast_model,
                                check_options, inner_optimizer, owned_ranges, state_of)
@@ -121,11 +122,12 @@ def set_param(module: nn.Module, attr: str, value: nn.Parameter) -> None:
     module._parameters[attr] = value
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+def fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Two numbers per tensor that differ when the tensors differ across ranks."""
     rows = [torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
             for t in tensors]
-    return torch.stack(rows).flatten() if rows else torch.zeros(0, dtype=torch.float64)
+    return torch.stack(rows).flatten() if rows else torch.zeros(0, dtype=torch.float64,
+                                                                device=device)
 
 
 def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
@@ -138,7 +140,7 @@ def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    fp = fingerprint([t for _, t in named])
+    fp = fingerprint([t for _, t in named], rank_device())
     hi, lo = fp.clone(), fp.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
@@ -402,7 +404,7 @@ class FlatBuffer:
         self.numel = sum(s.numel for s in slots)
         self.shard_numel = math.ceil(self.numel / world)
         self.requires_grad = slots[0].param.requires_grad
-        flat = torch.zeros(world * self.shard_numel, dtype=dtype)
+        flat = torch.zeros(world * self.shard_numel, dtype=dtype, device=slots[0].param.device)
         torch.cat([s.param.detach().reshape(-1).to(dtype) for s in slots],
                   out=flat[:self.numel])
         mine = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]

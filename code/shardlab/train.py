@@ -193,11 +193,14 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
         if tracked is not None:
             peak = {"total": int(tracked.bytes), **{k: int(v) for k, v in
                                                      tracked.by_category.items()}}
+            if tracked.reserved:  # CUDA: the allocator's reserved peak beside allocated
+                peak["reserved"] = int(tracked.reserved)
     close_progress()
     # The global-batch loss: the mean of the ranks' means (equal row counts). Reduced
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
     # and nothing else.
-    losses = (torch.stack(local_losses) if local_losses else torch.zeros(0)).float()
+    losses = (torch.stack(local_losses) if local_losses
+              else torch.zeros(0, device=device)).float()
     if distributed and world > 1:
         dist.all_reduce(losses)
         losses /= world

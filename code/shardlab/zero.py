@@ -54,6 +54,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.launch import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import (InnerOptimizerFace, MasterWeightOptimizer, Precision,
                                 get_precision)
@@ -490,13 +491,14 @@ def check_same_model_on_all_ranks(model: nn.Module, process_group=None) -> None:
     of different models. A small signature (counts, shapes, sums) is compared instead of
     the weights themselves."""
     params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
     with torch.no_grad():
         signature = torch.tensor(
             [float(len(params))] + [float(d) for p in params for d in (p.dim(), *p.shape)]
             + [float(p.detach().double().sum()) for p in params]
             + [float(p.detach().double().square().sum()) for p in params],
-            dtype=torch.float64)
-    length = torch.tensor([float(signature.numel())], dtype=torch.float64)
+            dtype=torch.float64, device=device)
+    length = torch.tensor([float(signature.numel())], dtype=torch.float64, device=device)
     low, high = length.clone(), length.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=process_group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=process_group)
@@ -634,14 +636,16 @@ def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int
     what, bucket, "start" | "end"): forward, backward, each bucket's reduce-scatter and
     all-gather, and the optimizer step."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
     timelines = {}
     for strategy in strategies:
-        wrapped = get_strategy(strategy)(build_model(model, seed=0), get_precision("fp32"),
+        wrapped = get_strategy(strategy)(build_model(model, seed=0).to(device),
+                                         get_precision("fp32"),
                                          optimizer_spec("adamw", 1e-3),
                                          {"bucket_numel": bucket_numel})
         zero: ZeroOptimizer = wrapped.optimizer
         for step in range(steps):
-            x, y = get_batch(step, rank, world, batch_size, seq_len)
+            x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size, seq_len))
             zero.events = [] if step == steps - 1 else None
             dist.barrier()  # start the step together, so that waits are the schedule's
             start = time.perf_counter()
