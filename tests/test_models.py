@@ -91,3 +91,18 @@ def test_bad_input_is_refused_with_a_message_that_says_what_to_do():
         get_batch(0, 2, 2, batch_size=8, seq_len=16)
     with pytest.raises(ValueError, match="block_size"):
         build_model("gpt-tiny")(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_a_known_architecture_at_your_own_size():
+    """`config` changes a known architecture's settings; a typo is refused (a Hugging Face
+    config would keep an unknown keyword silently)."""
+    assert len(build_model("gpt-tiny", config={"n_layer": 3}).blocks) == 3
+    with pytest.raises(ValueError, match=r"unknown GPT config field\(s\) \['nlayer'\]"):
+        build_model("gpt-tiny", config={"nlayer": 3})
+    with pytest.raises(ValueError, match="takes no config"):
+        build_model("toy-tied", config={"width": 3})
+    pytest.importorskip("transformers")
+    llama = build_model("hf-llama", config={"num_hidden_layers": 3})
+    assert len(llama.model.layers) == 3
+    with pytest.raises(ValueError, match=r"unknown GPT2Config field\(s\) \['nlayer'\]"):
+        build_model("hf-gpt2", config={"nlayer": 3})

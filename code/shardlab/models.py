@@ -22,6 +22,7 @@ parameters, a parameter the forward never uses, two modules sharing one weight, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -216,7 +217,7 @@ HF_MODELS = {
 MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS) + tuple(HF_MODELS)
 
 
-def build_hf_model(spec: HFModel) -> nn.Module:
+def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
     try:
         import transformers
     except ImportError:
@@ -225,7 +226,11 @@ def build_hf_model(spec: HFModel) -> nn.Module:
     config_class, model_class = {
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[spec.family]
-    config = config_class(**dict(spec.config), use_cache=False)
+    known = config_class().to_dict()
+    unknown = sorted(set(overrides or {}) - set(known))
+    if unknown:  # a Hugging Face config keeps any keyword silently: refuse a typo here
+        raise ValueError(f"unknown {config_class.__name__} field(s) {unknown}")
+    config = config_class(**{**dict(spec.config), **(overrides or {})}, use_cache=False)
     config._attn_implementation = "sdpa"
     model = model_class(config)
     if spec.freeze_embeddings:
@@ -233,16 +238,28 @@ def build_hf_model(spec: HFModel) -> nn.Module:
     return model
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    """The model `name` with weights drawn from `seed`: identical on every rank and run."""
+def build_model(name: str, seed: int = 0, config: dict | None = None) -> nn.Module:
+    """The model `name` with weights drawn from `seed`: identical on every rank and run.
+
+    `config` changes the architecture's settings: the course GPT's fields
+    (`n_layer`, `d_model`, ...) or a Hugging Face config's (`n_layer`, `hidden_size`,
+    `num_key_value_heads`, ...), e.g. `build_model("hf-llama", config={"num_hidden_layers":
+    8})`. A spawned rank rebuilds the model from the name and this dict, so your own
+    size of a known architecture needs no code of yours in the ranks."""
     if name not in MODEL_NAMES:
         raise ValueError(f"unknown model {name!r}; use one of {list(MODEL_NAMES)}")
+    if config and name in TOY_MODELS:
+        raise ValueError(f"the toy model {name!r} takes no config; use a gpt-* or hf-* model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name in GPT_CONFIGS:
-            return GPT(GPT_CONFIGS[name])
+            fields = {f.name for f in dataclasses.fields(GPTConfig)}
+            unknown = sorted(set(config or {}) - fields)
+            if unknown:
+                raise ValueError(f"unknown GPT config field(s) {unknown}; use {sorted(fields)}")
+            return GPT(dataclasses.replace(GPT_CONFIGS[name], **(config or {})))
         if name in HF_MODELS:
-            return build_hf_model(HF_MODELS[name])
+            return build_hf_model(HF_MODELS[name], config)
         return TOY_MODELS[name]()
 
 

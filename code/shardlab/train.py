@@ -74,6 +74,9 @@ class TrainConfig:
     # To rehearse a failure: rank `crash_rank` raises at the start of step `crash_at_step`.
     crash_at_step: int | None = None
     crash_rank: int = 0
+    # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
+    # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
+    model_config: dict[str, Any] | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -144,7 +147,7 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
                          f"ranks; set world to the number of ranks launched")
     device = rank_device()
     torch.manual_seed(config.seed)
-    model = build_model(config.model, config.seed).to(device)
+    model = build_model(config.model, config.seed, config.model_config).to(device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     precision = get_precision(config.precision)
     wrapped = get_strategy(config.strategy)(model, precision,
