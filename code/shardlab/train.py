@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import checkpoint
-from shardlab.comm import Ledger
+from shardlab.comm import Ledger, all_gather_into
 from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
@@ -77,6 +77,9 @@ class TrainConfig:
     # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
     # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
     model_config: dict[str, Any] | None = None
+    # Resume from a checkpoint shardlab did not write (PyTorch's own `dcp.save`): it has
+    # no manifest to verify, so it is read only when asked (its metadata still safely).
+    trust_checkpoint: bool = False
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -199,21 +202,23 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             if tracked.reserved:  # CUDA: the allocator's reserved peak beside allocated
                 peak["reserved"] = int(tracked.reserved)
     close_progress()
-    # The global-batch loss: the mean of the ranks' means (equal row counts). Reduced
+    # The global-batch loss: the mean of the ranks' means (equal row counts). Gathered
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
-    # and nothing else.
+    # and nothing else; and summed here in rank order, not by an all-reduce, whose order
+    # of addition depends on how many losses there are (a run resumed halfway would then
+    # report other last digits than the same steps of the whole run).
     losses = (torch.stack(local_losses) if local_losses
               else torch.zeros(0, device=device)).float()
     if distributed and world > 1:
-        dist.all_reduce(losses)
-        losses /= world
+        everyone = torch.empty(world * losses.numel(), device=device)
+        all_gather_into(everyone, losses)
+        losses = everyone.view(world, -1).sum(dim=0) / world
     params = None
     if config.keep_params:
         full = wrapped.full_parameters or (lambda: named_full_parameters(wrapped.model))
         params = {k: v.detach().cpu().clone() for k, v in full().items()}
     if config.export_path:
-        checkpoint.export_full_state_dict(wrapped, config.export_path, config.model,
-                                          config.seed)
+        checkpoint.export_full_state_dict(wrapped, config.export_path)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
                      params, psi, first_step)
@@ -223,12 +228,14 @@ def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
     """Load the checkpoint `config.resume` names; return the step to continue from."""
     if not config.resume:
         return 0
+    if config.checkpoint_dir:
+        checkpoint.clean_interrupted(config.checkpoint_dir)
     folder = (checkpoint.latest(config.checkpoint_dir) if config.resume is True
               else Path(config.resume))
     if folder is None:
-        raise ValueError(f"no complete checkpoint in {config.checkpoint_dir}: train with "
-                         f"save_every first, or resume=False")
-    return checkpoint.load(folder, wrapped)
+        raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
+                         f"train with save_every first, or resume=False")
+    return checkpoint.load(folder, wrapped, trusted=config.trust_checkpoint)
 
 
 def _save(config: TrainConfig, step: int, wrapped: Wrapped, ledger: Ledger | None) -> None:
