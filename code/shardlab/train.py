@@ -25,6 +25,7 @@ On top of it:
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 import time
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.comm import Ledger, all_gather_into
-from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
+from shardlab.launch import RankFailed, launch, placement, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
 from shardlab.precision import get_precision
@@ -105,7 +106,53 @@ class TrainConfig:
         if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
             raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
                              f"got {self.crash_rank!r}")
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            raise ValueError(f"model_config must be a dict of the architecture's settings, "
+                             f"got {type(self.model_config).__name__}")
+        if self.save_every:
+            check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
+        if self.export_path:
+            check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
         return self
+
+    def check_resume(self) -> int:
+        """The step the run resumes at (0 without resume), read from the checkpoint's
+        marker before any process starts; refuse a resume with nothing left to train."""
+        if not self.resume:
+            return 0
+        if self.resume is True:
+            checkpoint.clean_interrupted(self.checkpoint_dir)
+            folder = checkpoint.latest(self.checkpoint_dir)
+            if folder is None:
+                raise ValueError(f"no complete checkpoint that verifies in "
+                                 f"{self.checkpoint_dir}: train with save_every first, or "
+                                 f"resume=False")
+        else:
+            folder = Path(self.resume)
+            if not folder.is_dir():
+                raise ValueError(f"no checkpoint folder {folder}")
+        if not checkpoint.is_complete(folder):
+            return 0  # a foreign checkpoint (trust_checkpoint): its step is read on load
+        step = int(checkpoint.info(folder).get("step", 0))
+        if step >= self.steps:
+            raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
+                             f"{step}; ask for steps > {step}")
+        return step
+
+
+def check_writable_folder(folder, what: str) -> None:
+    """Refuse, before training, a folder that cannot be created or written to: create it
+    and write a probe file there, which is the only test that holds for every file system
+    and user (root passes permission checks that a read-only mount still refuses)."""
+    folder = Path(folder)
+    probe = folder / f".shardlab-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{what} {str(folder)!r} cannot be written ({exc.strerror}); "
+                         f"choose another folder") from None
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -221,7 +268,7 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
         checkpoint.export_full_state_dict(wrapped, config.export_path)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
-                     params, psi, first_step)
+                     params, psi, first_step, placement())
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
@@ -253,32 +300,35 @@ def train_many(configs: list[TrainConfig]) -> list[RunReport]:
     return [train_worker(c) for c in configs]
 
 
-def run(config: TrainConfig, *, backend: str = "auto", timeout: float = 600.0,
-        progress: bool = False) -> list[RunReport]:
+def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
+        timeout: float = 600.0, progress: bool = False) -> list[RunReport]:
     """Train `config` on `config.world` ranks (one for "single", which always runs on one
-    process); return the ranks' reports in rank order."""
+    process); return the ranks' reports in rank order. Everything that can be checked
+    (the config, the placement, the checkpoint to resume) is, before a process starts."""
     if config.strategy == "single":
         config = replace(config, world=1)
     config.validate()
+    config.check_resume()
     try:
-        return _launch_workers(config, backend, timeout, progress)
+        return _launch_workers(config, backend, device, timeout, progress)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
         last = failed.rank_traceback.strip().splitlines()[-1]
-        if last.startswith("ValueError: "):
-            raise ValueError(last[len("ValueError: "):]) from failed
+        kind, _, message = last.partition(": ")
+        if kind.rsplit(".", 1)[-1] in ("ValueError", "CheckpointError"):
+            raise ValueError(message) from failed
         raise
 
 
-def _launch_workers(config: TrainConfig, backend: str, timeout: float,
+def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: float,
                     progress: bool) -> list[RunReport]:
+    where = {"backend": backend, "device": device, "timeout": timeout}
     if under_torchrun():
         return launch(train_worker, config.world, config, "tqdm" if progress else None,
-                      backend=backend, timeout=timeout)
+                      **where)
     if not progress:
-        return launch(train_worker, config.world, config, None, backend=backend,
-                      timeout=timeout)
+        return launch(train_worker, config.world, config, None, **where)
     with tempfile.TemporaryDirectory(prefix="shardlab-train-") as tmp:
         path = Path(tmp) / "progress"
         path.touch()
@@ -287,8 +337,7 @@ def _launch_workers(config: TrainConfig, backend: str, timeout: float,
                                    daemon=True)
         watcher.start()
         try:
-            return launch(train_worker, config.world, config, str(path), backend=backend,
-                          timeout=timeout)
+            return launch(train_worker, config.world, config, str(path), **where)
         finally:
             done.set()
             watcher.join()
