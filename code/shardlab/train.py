@@ -222,13 +222,15 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             with tracker as tracked:
                 step_loss = torch.zeros((), device=device)
                 for micro in range(config.grad_accum):
+                    if micro and tracked is not None:
+                        tracked.next_forward()
                     x, y = get_batch(step, rank, world, config.batch_size, config.seq_len,
                                      config.seed, micro, config.grad_accum)
                     x, y = x.to(device), y.to(device)
                     sync = micro == config.grad_accum - 1
                     with contextlib.nullcontext() if sync else wrapped.no_sync():
                         loss = loss_fn(wrapped.model(x), y) / config.grad_accum
-                        loss.backward()
+                        wrapped.backward(loss)
                     step_loss += loss.detach()
                 wrapped.optimizer.step()
                 if last and config.measure_memory:
