@@ -79,20 +79,15 @@ def import_deepspeed():
         raise ValueError(f"the deepspeed-* strategies need DeepSpeed: {INSTALL}") from None
     import logging
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls torch.distributed's old collective names, which warn on every
+    # call on torch 2.13; the course's own code uses the new ones (shardlab.comm).
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|"
+                                    r"reduce_scatter_tensor)` is deprecated")
     # The course never uses DeepSpeed's shared-memory inference all-reduce; building it
     # compiles C++ at the first init on a CPU, so it is not built.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     return deepspeed
-
-
-@contextlib.contextmanager
-def _quiet():
-    # DeepSpeed 0.19 calls torch.distributed's old collective names, which warn on
-    # torch 2.13; the course's own code uses the new ones (shardlab.comm).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=r".*is deprecated\. Please use `torch\.distributed\.")
-        yield
 
 
 def deepspeed_config(stage: int, precision: Precision, options: dict) -> dict:
@@ -132,8 +127,7 @@ class EngineOptimizer:
         return self.optimizer.state
 
     def step(self) -> None:
-        with _quiet():
-            self.engine.step()
+        self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass  # engine.step() cleared them
@@ -167,12 +161,11 @@ def _wrap(stage: int, model: nn.Module, precision: Precision, optimizer: Optimiz
     device = rank_device()  # DeepSpeed picks its device by LOCAL_RANK
     os.environ.setdefault("LOCAL_RANK", str(device.index if device.type == "cuda"
                                             else dist.get_rank()))
-    with _quiet():
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # reuses the group
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer.build([p for p in model.parameters()
-                                                    if p.requires_grad]),
-            config=deepspeed_config(stage, precision, options))
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # reuses the group
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer.build([p for p in model.parameters()
+                                                if p.requires_grad]),
+        config=deepspeed_config(stage, precision, options))
     face = EngineOptimizer(engine, stage)
 
     @contextlib.contextmanager
@@ -184,8 +177,7 @@ def _wrap(stage: int, model: nn.Module, precision: Precision, optimizer: Optimiz
             engine.set_gradient_accumulation_boundary(True)
 
     def backward(loss: torch.Tensor) -> None:
-        with _quiet():
-            engine.backward(loss)
+        engine.backward(loss)
 
     def full_parameters() -> dict[str, torch.Tensor]:
         names = [n for n, _ in engine.module.named_parameters()]
