@@ -36,11 +36,20 @@ const report = () => {
                .map(a => a.href),
   });
 };
-if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
-  MathJax.startup.promise.then(report, report);
-} else {
-  setTimeout(report, 200);
-}
+const start = Date.now();
+let reported = false;
+const once = () => { if (!reported) { reported = true; report(); } };
+const poll = () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    MathJax.startup.promise.then(once, once);
+    setTimeout(once, 15000);  // a typesetting that never ends is reported as it stands
+  } else if (!window.MathJax || Date.now() - start > 10000) {
+    once();
+  } else {
+    setTimeout(poll, 100);  // MathJax's script is deferred: wait for it to load
+  }
+};
+poll();
 """
 
 
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for page, problems in found.items():
         for problem in problems:
             print(f"{page}: {problem}")
-    print(f"{pages} pages checked, {sum(map(len, found.values()))} problem(s)")
+    print(f"pages: {pages - len(found)} passed, {len(found)} failed")
     return 1 if found else 0
 
 

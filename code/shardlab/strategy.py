@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -194,6 +194,7 @@ class Wrapped:
 
     model: nn.Module          # what the loop calls: the model, or a wrapper around it
     optimizer: Any            # has step() and zero_grad()
+    _: KW_ONLY                # the declarations are named, never positional
     # Gradient accumulation: micro-batches before the last run under no_sync().
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext
     # The backward of a loss. Autograd's own for every strategy of the course and of
