@@ -273,6 +273,9 @@ STRATEGIES: dict[str, str] = {
     "zero3": "shardlab.sharded:wrap_zero3",
     "fsdp2": "shardlab.fsdp:wrap_fsdp2",
     "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
+    "deepspeed-zero1": "shardlab.deepspeed_ref:wrap_deepspeed_zero1",
+    "deepspeed-zero2": "shardlab.deepspeed_ref:wrap_deepspeed_zero2",
+    "deepspeed-zero3": "shardlab.deepspeed_ref:wrap_deepspeed_zero3",
 }
 
 
