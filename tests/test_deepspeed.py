@@ -56,11 +56,10 @@ def cases_for(world: int) -> list[TrainConfig]:
     cases += stage_cases(model_config=ODD)
     cases += stage_cases(precision="bf16-mixed")
     if world == 2:
-        # SGD catches a gradient scaled by N or by the micro-batch count (Adam hides it);
-        # (MemTracker follows one forward per tracked step: no bytes for 2 micro-batches)
-        cases += stage_cases(grad_accum=2, measure_memory=False, **sgd)
+        # SGD catches a gradient scaled by N or by the micro-batch count (Adam hides it)
+        cases += stage_cases(grad_accum=2, **sgd)
         cases += [replace(BASE, strategy="deepspeed-zero3", grad_accum=2,
-                          options=SHARD_ALL, measure_memory=False, **sgd)]
+                          options=SHARD_ALL, **sgd)]
         cases += stage_cases(model="toy-frozen", **sgd)
         cases += stage_cases(model="toy-tied")
         cases += [replace(BASE, strategy="deepspeed-zero2",
@@ -89,7 +88,7 @@ def run(request):
     world = request.param
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        results = launch(w.suite, world, cases_for(world), REFUSED if world == 2 else [],
+        results = launch(w.suite, world, cases_for(world), REFUSED,
                          backend="gloo", timeout=LAUNCH_TIMEOUT)
     return world, results, out.getvalue() + err.getvalue()
 
@@ -148,14 +147,12 @@ def test_state_bytes_per_rank_equal_deepspeeds_rules(run):
     checked = 0
     for rank_results in results:
         for r in rank_results["parity"]:
-            if r["grad_accum"] > 1:  # not measured
-                continue
             predicted = deepspeed_ref.predicted_for(r["model"], stage(r), world,
                                                     r["precision"], r["optimizer"],
                                                     r["options"], r["model_config"])
             assert r["state_bytes"] == predicted, key(r)
             checked += 1
-    assert checked == world * sum(c.grad_accum == 1 for c in cases_for(world))
+    assert checked == world * len(cases_for(world))
 
 
 @needs_deepspeed
@@ -223,8 +220,6 @@ def test_collectives_per_step(run):
 @needs_deepspeed
 def test_refusals(run):
     world, results, _ = run
-    if world != 2:
-        pytest.skip("the refusals run once, on 2 ranks")
     for rank_results in results:
         messages = rank_results["refusals"]
         assert len(messages) == len(REFUSED)

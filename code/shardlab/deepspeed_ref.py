@@ -67,8 +67,11 @@ from shardlab.precision import InnerOptimizerFace, Precision, get_precision
 from shardlab.strategy import (OPTIMIZERS, OptimizerSpec, Wrapped, cast_model, check_options,
                                named_full_parameters)
 
+# The loop relies on the engine accepting a plain `loss.backward()` (in 0.19.0, not in
+# 0.18.0) and on `managed_gradient_accumulation` (in 0.19.4); 0.19.8 is the one tested.
+MINIMUM_VERSION = "0.19.8"
 MISSING = ("DeepSpeed is not installed: pip install 'shardlab[deepspeed]' "
-           "(or pip install 'deepspeed>=0.19.8')")
+           f"(or pip install 'deepspeed>={MINIMUM_VERSION}')")
 CHECKPOINT_REFUSAL = ("DeepSpeed writes its own checkpoints: call "
                       "wrapped.model.save_checkpoint(folder) and load_checkpoint(folder) "
                       "(wrapped.model is the DeepSpeedEngine); shardlab.checkpoint saves "
@@ -126,6 +129,12 @@ def import_deepspeed(device: torch.device):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from packaging.version import Version
+
+    if Version(deepspeed.__version__) < Version(MINIMUM_VERSION):
+        raise ValueError(f"the deepspeed-* strategies need DeepSpeed >= {MINIMUM_VERSION}, "
+                         f"found {deepspeed.__version__}: pip install -U "
+                         f"'deepspeed>={MINIMUM_VERSION}'")
 
     accelerator = get_accelerator().device_name()
     if accelerator != device.type:

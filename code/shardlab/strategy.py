@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -194,8 +194,13 @@ class Wrapped:
 
     model: nn.Module          # what the loop calls: the model, or a wrapper around it
     optimizer: Any            # has step() and zero_grad()
+    _: KW_ONLY                # the declarations are named, never positional
     # Gradient accumulation: micro-batches before the last run under no_sync().
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext
+    # The backward of a loss. Autograd's own for every strategy of the course and of
+    # PyTorch; DeepSpeed's engine runs its own around it (it reduces and partitions the
+    # gradients), and says so here.
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     # The full (unsharded) parameters by their original names, on every rank: parity
     # tests compare these with the single-process reference.
     full_parameters: Callable[[], dict[str, torch.Tensor]] | None = None

@@ -7,6 +7,8 @@ them, so a figure never computes something the text did not.
 
 from __future__ import annotations
 
+import re
+
 from typing import Sequence
 
 from shardlab import memory
@@ -116,6 +118,16 @@ def stages_animation(psi, worlds: Sequence[int] = (1, 2, 4, 8, 16, 64),
     anim = FuncAnimation(fig, draw, frames=len(frames), interval=interval, blit=False)
     plt.close(fig)  # the HTML player shows the frames; no extra static copy
     return anim
+
+
+def player_html(anim) -> str:
+    """The animation as an HTML player that needs nothing from the network.
+
+    matplotlib's player links Font Awesome 4 from a CDN for its button icons; the book's
+    theme already ships Font Awesome, which draws the same `fa-*` icons, so the link is
+    dropped and the page reads offline."""
+    html = anim.to_jshtml(default_mode="once")
+    return re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html)
 
 
 def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",

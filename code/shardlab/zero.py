@@ -574,6 +574,11 @@ class TorchZero1:
     def param_groups(self) -> list[dict]:
         return self.zero.param_groups
 
+    @property
+    def optimizer(self):
+        """This rank's own optimizer, over the parameters PyTorch assigned it."""
+        return self.zero.optim
+
     def step(self) -> None:
         self.zero.step()
 
@@ -621,7 +626,8 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
     model = cast_model(model, precision)
     ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"])
     zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
-    return Wrapped(ddp, zero, ddp.no_sync, lambda: named_full_parameters(model),
+    return Wrapped(ddp, zero, no_sync=ddp.no_sync,
+                   full_parameters=lambda: named_full_parameters(model),
                    pieces=lambda: zero.pieces(model), module=model)
 
 
