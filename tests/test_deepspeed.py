@@ -180,8 +180,8 @@ def test_collectives_per_step(run):
     per micro-batch (what it gathers for forward stays until backward) and each
     persistent one once per step (after the step changed its partitions). Each step also
     all-reduces the gradient norm (one fp32 or fp64 number), which clipping would use.
-    Once, when its first step ends, stage 3 checks that every rank recorded the same order of modules and parameters
-    (broadcasts of int64 ids): set-up, not the schedule."""
+    Once, when its first step ends, stage 3 checks that every rank recorded the same
+    order of modules and parameters (broadcasts of int64 ids): set-up, not the schedule."""
     world, results, _ = run
     checked = 0
     for r in results[0]["parity"]:
@@ -271,4 +271,5 @@ def test_prediction_terms():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         deepspeed_ref.predicted_state_bytes(model, 0, 2)
     with pytest.raises(ValueError, match="unknown option"):
-        deepspeed_ref.predicted_state_bytes(model, 1, 2, options={"stage3_max_live_parameters": 1})
+        deepspeed_ref.predicted_state_bytes(model, 1, 2,
+                                            options={"stage3_max_live_parameters": 1})

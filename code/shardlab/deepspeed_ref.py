@@ -6,14 +6,15 @@ every strategy gives (`shardlab.strategy.Wrapped`), so the course's loop drives 
 unchanged:
 
     loss = loss_fn(wrapped.model(x), y)   # the DeepSpeedEngine's forward (stage 3 gathers)
-    loss.backward()                       # DeepSpeed's hooks reduce buckets (stages 2, 3)
+    wrapped.backward(loss)                # loss.backward(): DeepSpeed's hooks reduce
     wrapped.optimizer.step()              # engine.step(): reduce (stage 1), step, gather
     wrapped.optimizer.zero_grad()         # nothing left: engine.step() freed the gradients
 
 DeepSpeed's own loop is `engine.backward(loss); engine.step()`. DeepSpeed 0.19 also
-accepts a plain `loss.backward()` (hooks on the forward's output run its backward prologue
-and epilogue), which is what lets the loop stay the same. Three settings of the config make
-it the same *training* as the loop's, and each one is a fact worth knowing about DeepSpeed:
+accepts autograd's plain `loss.backward()` (hooks on the forward's output run its backward
+prologue and epilogue), so `Wrapped.backward` stays autograd's own, as for every other
+strategy. Three settings of the config make it the same *training* as the loop's, and
+each one is a fact worth knowing about DeepSpeed:
 
 * `gradient_clipping: 0`. DeepSpeed clips the global gradient norm to 1.0 unless told
   otherwise; plain AdamW, PyTorch's references and the course's strategies do not clip,
@@ -40,7 +41,8 @@ measured bytes; `predicted_state_bytes` writes down each term:
 * stage 3 partitions each parameter on its own (`param.ds_tensor`, ceil(numel/N) elements,
   defragmented into one flat buffer), and keeps every parameter of at most
   `stage3_param_persistence_threshold` elements (1e5 by default) whole on every rank as
-  well, in the padded buffer its all-gather fills; its gradient partitions and its reduce bucket stay allocated between steps;
+  well, in the padded buffer its all-gather fills; its gradient partitions and its reduce
+  bucket stay allocated between steps;
 * stages 1 and 2 free the gradients inside `step()`, so after a step they hold none.
 
 DeepSpeed's checkpoints are its engine's to write (`wrapped.model.save_checkpoint(dir)`,
