@@ -1,0 +1,104 @@
+"""Workers for test_deepspeed.py: many DeepSpeed training cases inside one launch.
+
+Each rank trains a case with the course's own loop (`train.train_worker`), then trains the
+single-process reference on the whole global batch itself, in the same process, so one
+launch checks every case without paying for more process start-ups (DeepSpeed's own
+start-up, about a second a rank, is paid once too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.precision import MasterWeightOptimizer, get_precision
+from shardlab.strategy import cast_model, get_strategy, optimizer_spec
+from shardlab.train import TrainConfig, train_worker
+
+
+def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`config` trained by one process on the whole global batch: losses, parameters."""
+    torch.manual_seed(config.seed)
+    precision = get_precision(config.precision)
+    model = cast_model(build_model(config.model, config.seed, config.model_config), precision)
+    spec = optimizer_spec(config.optimizer, config.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
+                 if precision.master_weights else spec.build(params))
+    losses = []
+    for step in range(config.steps):
+        total = 0.0
+        for micro in range(config.grad_accum):
+            x, y = get_batch(step, 0, 1, config.batch_size, config.seq_len, config.seed,
+                             micro, config.grad_accum)
+            loss = loss_fn(model(x), y) / config.grad_accum
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def parity_cases(cases: list[TrainConfig]) -> list[dict]:
+    """Train every case on this group through the loop; compare with one process."""
+    world = dist.get_world_size()
+    out = []
+    for config in cases:
+        config = replace(config, world=world, keep_params=True)
+        report = train_worker(config)
+        ref_losses, ref_params = reference(config)
+        assert report.params.keys() == ref_params.keys(), config
+        out.append({
+            "strategy": config.strategy, "model": config.model,
+            "model_config": config.model_config, "precision": config.precision,
+            "optimizer": config.optimizer, "grad_accum": config.grad_accum,
+            "options": dict(config.options), "steps": config.steps,
+            "losses": report.losses, "ref_losses": ref_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(report.losses, ref_losses)),
+            "param_diff": max((report.params[k].float() - ref_params[k].float()).abs().max()
+                              .item() for k in ref_params),
+            "param_scale": max(v.float().abs().max().item() for v in ref_params.values()),
+            "psi": report.psi, "state_bytes": report.state_bytes, "peak": report.peak,
+            "ledger": [(r.op, str(r.dtype), r.logical_bytes, r.step) for r in report.ledger],
+        })
+    return out
+
+
+def refusals(cases: list[tuple[str, str, dict]]) -> list[str]:
+    """(strategy, precision, options) that must be refused: each error's message, on every
+    rank, before any collective (so the next case still runs)."""
+    out = []
+    for strategy, precision, options in cases:
+        try:
+            get_strategy(strategy)(build_model("gpt-tiny", 0), get_precision(precision),
+                                   optimizer_spec("adamw", 1e-3), dict(options))
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("accepted")
+    return out
+
+
+def checkpoint_refusal() -> str:
+    """Ask the loop to save a checkpoint of a DeepSpeed run: the message it refuses with."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        # the same folder name on every rank, as a shared file system would give
+        folder_list = [folder]
+        dist.broadcast_object_list(folder_list, src=0)
+        try:
+            train_worker(TrainConfig(strategy="deepspeed-zero2", world=dist.get_world_size(),
+                                     steps=1, save_every=1, checkpoint_dir=folder_list[0],
+                                     measure_memory=False, record_ledger=False))
+        except ValueError as exc:
+            return str(exc)
+    return "saved"
+
+
+def suite(cases: list[TrainConfig], refused: list[tuple[str, str, dict]]) -> dict:
+    return {"parity": parity_cases(cases), "refusals": refusals(refused),
+            "checkpoint": checkpoint_refusal()}
