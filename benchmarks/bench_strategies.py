@@ -19,17 +19,18 @@ import statistics
 import sys
 from dataclasses import replace
 
-from shardlab.train import (STRATEGIES, TrainConfig, ledger_totals, median_step_time,
-                            report_to_json, run)
+from shardlab.report import ledger_totals, median_step_time, report_to_json
+from shardlab.strategy import STRATEGIES
+from shardlab.train import TrainConfig, run
 
-# strategy -> the PyTorch implementation it is measured against
-REFERENCES: dict[str, str] = {
-    "ddp": "torch-ddp",
-    "ddp-naive": "torch-ddp",
-    "zero1": "torch-zero1",
-    "zero2": "torch-fsdp2",
-    "zero3": "torch-fsdp2",
-    "fsdp2": "torch-fsdp2",
+# strategy -> the implementation it is measured against: PyTorch's own (default), or
+# DeepSpeed's stage of the same number (--against deepspeed)
+REFERENCES: dict[str, dict[str, str]] = {
+    "pytorch": {"ddp": "torch-ddp", "ddp-naive": "torch-ddp", "zero1": "torch-zero1",
+                "zero2": "torch-fsdp2", "zero3": "torch-fsdp2", "fsdp2": "torch-fsdp2"},
+    "deepspeed": {"zero1": "deepspeed-zero1", "zero2": "deepspeed-zero2",
+                  "zero3": "deepspeed-zero3", "torch-zero1": "deepspeed-zero1",
+                  "torch-fsdp2": "deepspeed-zero3", "fsdp2": "deepspeed-zero3"},
 }
 
 MIB = 1024 * 1024
@@ -71,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--option", action="append", default=[], metavar="STRATEGY:KEY=VALUE")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--against", default="pytorch", choices=sorted(REFERENCES),
+                   help="whose implementation the ratio compares with")
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
     args = p.parse_args(argv)
 
     options = parse_options(args.option)
+    references = REFERENCES[args.against]
     base = TrainConfig(world=args.world, model=args.model, precision=args.precision,
                        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                        measure_memory=False, record_ledger=False)
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("-" * len(head))
     for s in args.strategies:
-        ref = REFERENCES.get(s)
+        ref = references.get(s)
         ratio = f"{median[s] / median[ref]:.2f}" if ref in median else "-"
         r0 = measured[s][0]
         state = r0.state_bytes
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"times": times, "median": median,
-                       "references": {s: REFERENCES.get(s) for s in args.strategies},
+                       "references": {s: references.get(s) for s in args.strategies},
                        "measured": {s: report_to_json(configs[s], r)
                                     for s, r in measured.items()}}, f, indent=1)
     return 0

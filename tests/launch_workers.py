@@ -3,12 +3,16 @@
 import os
 import time
 
+import subprocess
+
 import torch
 import torch.distributed as dist
 
+from shardlab.launch import rank_device
+
 
 def rank_times_ten() -> int:
-    t = torch.tensor([float(dist.get_rank())])
+    t = torch.tensor([float(dist.get_rank())], device=rank_device())
     dist.all_reduce(t)  # proves the ranks really talk to each other
     return dist.get_rank() * 10 + int(t.item()) * 0
 
@@ -44,3 +48,24 @@ def hang_after_marking(marker_dir: str) -> int:
     open(os.path.join(marker_dir, f"up{dist.get_rank()}"), "w").close()
     time.sleep(3600)
     return dist.get_rank()
+
+
+def start_a_child_then(action: str, pid_dir: str) -> int:
+    """Start a long `sleep` (a child of this rank), note its pid, then raise or hang."""
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(pid_dir, f"child{dist.get_rank()}"), "w") as f:
+        f.write(str(child.pid))
+    if action == "raise":
+        raise RuntimeError("this rank started a child, then failed")
+    time.sleep(3600)
+    return dist.get_rank()
+
+
+class Scaled:
+    """A callable object (not a function): its class is what a rank imports."""
+
+    def __init__(self, factor: int):
+        self.factor = factor
+
+    def __call__(self, offset: int = 0) -> int:
+        return dist.get_rank() * self.factor + offset

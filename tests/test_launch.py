@@ -1,19 +1,23 @@
 """The launcher: results, failures, timeouts, concurrency, refusals, and no leftovers."""
 
+import functools
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 import launch_workers as w
 from shardlab import demo
-from shardlab.launch import LaunchError, LaunchTimeout, RankFailed, launch, resolve_backend
+from shardlab.launch import (LaunchError, LaunchTimeout, RankFailed, choose_placement, launch,
+                             placement, resolve_backend)
 
 
 def live_children() -> list[int]:
@@ -190,3 +194,146 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert "interrupted; children alive: []" in out
+
+
+# ----------------------------------------------------------------------------- nothing left
+
+
+def processes_with(token: str) -> list[int]:
+    """Live processes whose environment carries `token` (every process a launch started
+    inherits it, however deep)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if token.encode() in environ and status != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def gone_within(token: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not processes_with(token):
+            return True
+        time.sleep(0.2)
+    return not processes_with(token)
+
+
+SCRIPT = """
+import sys
+from launch_workers import start_a_child_then
+from shardlab.launch import launch
+if __name__ == "__main__":
+    launch(start_a_child_then, 2, "hang", sys.argv[1], timeout=120)
+"""
+
+
+@pytest.mark.parametrize("moment", ["starting", "ranks-importing", "running"])
+def test_killing_the_launching_process_leaves_nothing(tmp_path, moment):
+    """kill -9 of the script that launched, at any moment: while it starts the ranks,
+    while they import torch, while they run (and have started children of their own).
+    Within a few seconds no process of the launch remains, and the next launch removes
+    the run folder the killed one could not."""
+    token = f"shardlab-test-{uuid.uuid4().hex}"
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
+                              stderr=subprocess.PIPE)
+    if moment == "starting":
+        deadline = time.monotonic() + 60
+        while len(processes_with(token)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the script and its first rank: spawning has begun
+    elif moment == "ranks-importing":
+        time.sleep(1.5)
+    else:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("child*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("child*"))) == 2
+    run_dirs = {p for p in Path(tempfile.gettempdir()).glob("shardlab-launch-*")
+                if (p / "owner.pid").is_file()
+                and (p / "owner.pid").read_text() == str(parent.pid)}
+    assert parent.poll() is None, parent.communicate()[1]  # still running when killed
+    parent.kill()
+    parent.wait()
+    assert gone_within(token, 10), f"left behind: {processes_with(token)}"
+    launch(w.rank_times_ten, 1)  # the next launch reclaims the dead one's folder
+    assert not any(p.exists() for p in run_dirs)
+
+
+def test_a_rank_that_fails_leaves_no_child_behind(tmp_path):
+    with pytest.raises(RankFailed, match="started a child, then failed"):
+        launch(w.start_a_child_then, 2, "raise", str(tmp_path), timeout=120)
+    pids = [int(p.read_text()) for p in tmp_path.glob("child*")]
+    assert pids
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}/stat").exists()
+                   and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+                   for pid in pids)
+
+
+def test_partials_and_callable_objects_run():
+    assert launch(functools.partial(w.Scaled(10), offset=1), 2) == [1, 11]
+    assert launch(w.Scaled(3), 2) == [0, 3]
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_bad_thread_counts_are_refused_before_starting(threads):
+    with pytest.raises(ValueError, match="threads must be a whole number >= 1"):
+        launch(w.rank_times_ten, 2, threads=threads)
+
+
+def test_a_script_without_a_main_guard_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text("from launch_workers import rank_times_ten\n"
+                      "from shardlab.launch import launch\n"
+                      "launch(rank_times_ten, 2)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'unguarded.py calls launch() (line 3) outside an `if __name__ == "__main__":`' \
+        in done.stderr
+    assert "bootstrapping" not in done.stderr  # no child ever started
+
+
+@pytest.mark.parametrize("backend,device,world,gpus,expected", [
+    ("auto", "auto", 4, 0, ("gloo", "cpu")),
+    ("auto", "auto", 4, 8, ("nccl", "cuda")),
+    ("auto", "auto", 4, 1, ("gloo", "cuda")),     # one GPU shared by four ranks
+    ("auto", "cpu", 4, 8, ("gloo", "cpu")),
+    ("gloo", "cuda", 2, 2, ("gloo", "cuda")),
+    ("auto", "cuda", 1, 1, ("nccl", "cuda")),
+])
+def test_the_three_placements(backend, device, world, gpus, expected):
+    where = choose_placement(backend, device, world, gpus)
+    assert (where.backend, where.device) == expected
+    assert str(world) in where.description
+
+
+@pytest.mark.parametrize("backend,device,world,gpus,message", [
+    ("nccl", "auto", 4, 1, "needs one GPU per rank"),
+    ("nccl", "cpu", 1, 1, "runs on GPUs only"),
+    ("auto", "cuda", 2, 0, "needs a GPU"),
+    ("mpi", "auto", 2, 0, "unknown backend"),
+    ("auto", "tpu", 2, 0, "unknown device"),
+])
+def test_placements_that_cannot_run_are_refused(backend, device, world, gpus, message):
+    with pytest.raises((ValueError, LaunchError), match=message):
+        choose_placement(backend, device, world, gpus)
+
+
+def test_a_rank_reports_its_placement():
+    assert launch(placement, 2) == ["gloo: 2 rank(s) on the CPU"] * 2

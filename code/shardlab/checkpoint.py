@@ -1,67 +1,73 @@
-"""Checkpoints of sharded state: every rank writes its own shards, any world size reads them.
+"""Checkpoints of sharded state: every rank writes its own pieces, any world size and any
+strategy reads them back, and so does PyTorch.
 
 A checkpoint is PyTorch's distributed checkpoint (`torch.distributed.checkpoint`, DCP):
-one folder, one file of shards per rank, written in parallel, and a `.metadata` file
-(written by rank 0) that says which bytes of which file hold which piece of which tensor.
-DCP can read a piece back into any other cut of the same tensor, as long as every tensor
-is described by its *global* shape and the piece this rank holds.
+one folder, a file of chunks per rank written in parallel, and a `.metadata` file that
+says which bytes of which file hold which chunk of which tensor. DCP reads a chunk back
+into any other cut of the same tensor, so what each strategy must say is only which part
+of every parameter this rank holds. They all say it the same way (`Wrapped.pieces`, see
+`shardlab.strategy.Piece`): a contiguous range [start, stop) of the flattened parameter.
 
-So the question for each strategy is only: what global tensor does this rank hold a
-piece of? The answer is the same for all of them, the flattened 1-D view of each
-original parameter (and of each of its optimizer states):
-
-    ZeRO-1/2   a bucket's chunk holds the end of one parameter and the start of the next:
-               rank r holds [a, b) of each parameter it touches
+    ZeRO-1/2   a bucket's chunk holds the end of one parameter and the start of the next
     ZeRO-3     the same, over a unit's flat buffer
-    FSDP2      rank r holds rows [r*R, (r+1)*R) of dim 0, which is the contiguous range
-               [r*R*cols, (r+1)*R*cols) of the flattened parameter
-    DDP        every rank holds [0, numel) (a replicated tensor, saved once)
+    FSDP2      rows [r*R, (r+1)*R) of dim 0: the range [r*R*cols, (r+1)*R*cols)
+    DDP        [0, numel) on every rank (a replicated tensor, written once)
 
-Each piece becomes a `ShardedTensor` with one shard `[a, b)` of a 1-D tensor of `numel`
-elements, keyed by the parameter's original name: the padding of flat buffers and of
-dim-0 chunks never reaches the file, so a checkpoint saved by one strategy on N ranks
-loads into any of these strategies on any number of ranks. `torch-fsdp2` (PyTorch's
-`fully_shard`) uses PyTorch's own `get_state_dict` / `set_state_dict` (DTensors).
+The file keeps every parameter under its own name and its own shape, as PyTorch's
+`get_state_dict` writes a `fully_shard` model:
 
-Keys: `model.<name>`, `optim.<name>.<state>` (Adam's `exp_avg`, `exp_avg_sq`, `step`),
-`optim.<name>.master` (fp32 master weights of "bf16-mixed"), `buffer.<name>`,
-`rng.rank<r>` and `progress.step` (the next step to run: the data position, since
-`get_batch` is a function of the step).
+    model.<name>                  the parameter (the fp32 master copy under "bf16-mixed",
+                                  as FSDP2 keeps fp32 shards), and each persistent buffer
+    optim.state.<name>.<state>    Adam's exp_avg, exp_avg_sq (the parameter's shape), step
+    optim.param_groups.0.<key>    the hyperparameters (PyTorch's loaders ask for them)
+    progress.step, rng.rank<r>    where training resumes: the next step, each rank's RNG
 
-Saves are atomic: every rank writes into `step-000012.tmp/`; after a barrier rank 0
-writes the completion marker and renames the folder to `step-000012/`. `latest()`
-takes only complete folders, so a save cut short is never resumed from.
+A range of a flattened N-D tensor is not one rectangle, but it is always a few: a
+partial first row, whole rows, a partial last row, each of them (recursively) contiguous
+in memory. `boxes` cuts a piece so; each box is one chunk in the file and a view of the
+live tensor, so loading writes in place. A plain PyTorch program therefore reads the
+checkpoint into a `fully_shard` model (`get_state_dict`, `dcp.load`, `set_state_dict`) or
+into one file (`dcp_to_torch_save`), and a checkpoint PyTorch wrote resumes here.
+
+Nothing is read before it is verified (`shardlab.manifest`): a save ends with a manifest
+of every file's size and SHA-256; a load checks it first and reads the metadata with an
+unpickler that admits only DCP's metadata classes. Saves are atomic: every rank writes
+into `step-000012.tmp/`; rank 0 writes the manifest and the `COMPLETE` marker and renames
+the folder to `step-000012/`. `latest()` returns the newest checkpoint that verifies and
+says which newer ones it skipped; a save or a resume removes what an interrupted save left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
 
+from shardlab.manifest import (METADATA, CheckpointError, SafeReader, describe,
+                               safe_load_metadata, verify, write_manifest)
 from shardlab.strategy import Piece, inner_optimizer
 
 MARKER = "COMPLETE"  # written last, inside the folder, before it gets its final name
+TMP_SUFFIX = ".tmp"
 
 
 @contextlib.contextmanager
-def _quiet_sharded_tensor():
+def _quiet():
     # ShardedTensor warns that it is deprecated in favour of DTensor on every use. DTensor
-    # describes only torch.chunk-style even cuts, not the arbitrary [a, b) ranges a flat
-    # ZeRO buffer gives a parameter, which is what the file must describe.
+    # describes only even dim-0 cuts, not the ranges a flat ZeRO buffer gives a parameter,
+    # which is what the file must describe.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Please use DTensor instead",
                                 category=FutureWarning)
@@ -70,19 +76,88 @@ def _quiet_sharded_tensor():
         yield
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _agree(value):
+    """Every rank's `value`, as a list in rank order (one rank: [value])."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 # ============================================================================ the layout
 
 
+def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[list[int],
+                                                                        list[int], int]]:
+    """The elements [start, stop) of a row-major tensor of `shape` as rectangles:
+    (offsets, sizes, first flat index) each, in order; each is contiguous in memory."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [([start], [stop - start], start)] if shape else [([], [], 0)]
+    inner = math.prod(shape[1:])
+    first, head = divmod(start, inner)
+    last, tail = divmod(stop, inner)
+
+    def in_row(row: int, a: int, b: int):
+        return [([row, *o], [1, *s], row * inner + f) for o, s, f in boxes(shape[1:], a, b)]
+
+    if first == last:
+        return in_row(first, head, tail)
+    out = []
+    if head:
+        out += in_row(first, head, inner)
+        first += 1
+    if last > first:
+        out.append(([first] + [0] * (len(shape) - 1), [last - first, *shape[1:]],
+                    first * inner))
+    if tail:
+        out += in_row(last, 0, tail)
+    return out
+
+
 def _pieces(wrapped) -> list[Piece]:
-    """This rank's pieces, as the strategy declares them (`Wrapped.pieces`)."""
     if wrapped.pieces is None:
         raise ValueError(f"cannot checkpoint this run: {wrapped.checkpoint_refusal}")
     return wrapped.pieces()
 
 
-def parameter_names(wrapped) -> set[str]:
-    """The names of all the model's parameters (each tied weight once)."""
-    return {piece.name for piece in _pieces(wrapped)}
+def _placement(rank: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"rank:{rank}/cuda:{device.index if device.index is not None else 0}"
+    return f"rank:{rank}/{device.type}"
+
+
+def _chunked(piece: Piece, flat: torch.Tensor, sharded: bool):
+    """The tensor to put in the state dict for `flat`, this rank's elements of the piece:
+    the whole parameter as itself, or a ShardedTensor of this rank's boxes."""
+    shape = tuple(piece.shape)
+    if piece.ranges is None or not sharded:
+        return flat.view(shape) if flat.numel() == piece.numel else flat
+    rank = dist.get_rank()
+    metadata, local = [], []
+    for r, a, b in piece.ranges:
+        for offsets, sizes, first in boxes(shape, a, b):
+            m = ShardMetadata(offsets, sizes, _placement(r, flat.device))
+            metadata.append(m)
+            if r == rank:
+                local.append(Shard(flat[first - a:first - a + math.prod(sizes)].view(sizes),
+                                   m))
+    meta = ShardedTensorMetadata(metadata, torch.Size(shape),
+                                 TensorProperties(dtype=flat.dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
 
 
 @torch.no_grad()
@@ -109,201 +184,250 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-# ============================================================================ state dicts
+def _hyperparameters(optimizer: torch.optim.Optimizer, names: list[str]) -> dict:
+    """PyTorch's `param_groups` entry for the checkpoint: the first group's settings over
+    every trainable parameter's name (the course steps one group of settings)."""
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return {f"optim.param_groups.0.{k}": v for k, v in group.items()
+            if isinstance(v, (int, float, bool, str, tuple, type(None)))} | \
+        {"optim.param_groups.0.params": names}
 
 
-def _sharded(piece: Piece, tensor: torch.Tensor) -> ShardedTensor:
-    """A 1-D tensor of `piece.numel` elements of which this rank holds `tensor`."""
-    rank = dist.get_rank()
-
-    def placement(r):
-        return f"rank:{r}/{tensor.device.type}" + (f":{r % torch.cuda.device_count()}"
-                                                    if tensor.device.type == "cuda" else "")
-    shards = [ShardMetadata([a], [b - a], placement(r)) for r, a, b in piece.ranges]
-    meta = ShardedTensorMetadata(shards, torch.Size([piece.numel]),
-                                 TensorProperties(dtype=tensor.dtype, requires_grad=False))
-    local = [Shard(tensor, m) for m in shards if m.placement.rank() == rank]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
-
-
-def course_state_dict(wrapped, for_load: bool = False) -> dict[str, object]:
-    """{key: tensor or ShardedTensor}: views of the live state, no copies. A parameter is
-    stored as its fp32 master copy where the optimizer keeps one ("bf16-mixed"), so the
-    file holds the weights the optimizer steps; `load` casts them into the model."""
+def state_dict(wrapped, for_load: bool = False) -> dict[str, object]:
+    """{key: tensor, ShardedTensor or value}: views of the live state, no copies."""
     optimizer = inner_optimizer(wrapped.optimizer)
     ensure_optimizer_state(optimizer)
     sharded = dist.is_initialized() and dist.get_world_size() > 1
     state: dict[str, object] = {}
-
-    def put(key, piece, tensor):
-        state[key] = _sharded(piece, tensor) if (piece.ranges is not None and sharded) \
-            else tensor
-
+    trainable = []
     for piece in _pieces(wrapped):
+        names = (piece.name, *piece.aliases)
         if not piece.writer:  # another rank writes it (and holds its optimizer state)
             if for_load:
-                state[f"model.{piece.name}"] = piece.values
+                for name in names:
+                    state[f"model.{name}"] = piece.values.view(piece.shape)
             continue
-        put(f"model.{piece.name}", piece,
-            piece.master if piece.master is not None else piece.values)
-        for k, v in piece.optimizer_state().items():
-            if v.dim() > 0:
-                put(f"optim.{piece.name}.{k}", piece, v)
-            else:  # Adam's step counter: one number, the same for every piece
-                state[f"optim.{piece.name}.{k}"] = v
-    for name, b in wrapped.module.named_buffers():
-        state[f"buffer.{name}"] = b
+        weights = piece.master if piece.master is not None else piece.values
+        for name in names:  # a tied weight under each of its names, as PyTorch writes it
+            state[f"model.{name}"] = _chunked(piece, weights, sharded)
+        optimizer_state = piece.optimizer_state()
+        if optimizer_state:
+            trainable.append(piece.name)
+        for key, value in optimizer_state.items():
+            state[f"optim.state.{piece.name}.{key}"] = (
+                _chunked(piece, value, sharded) if value.dim() > 0 else value)
+    persistent = {k for k in wrapped.module.state_dict(keep_vars=True)}
+    for name, buffer in wrapped.module.named_buffers():
+        if name in persistent:
+            state[f"model.{name}"] = buffer
+    if not for_load:
+        names = list(dict.fromkeys(n for part in _agree(trainable) for n in part))
+        if names:
+            state.update(_hyperparameters(optimizer, names))
     return state
 
 
-# ============================================================================ save / load
+# ============================================================================ folders
 
 
 def step_folder(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def _rank_world():
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def is_complete(folder: str | os.PathLike) -> bool:
+    """Written to the end by shardlab (marker and metadata present); not yet verified."""
+    folder = Path(folder)
+    return (folder.is_dir() and not folder.name.endswith(TMP_SUFFIX)
+            and (folder / MARKER).is_file() and (folder / METADATA).is_file())
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+def info(folder: str | os.PathLike) -> dict:
+    """The completion marker: step, world size and what the run recorded."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: its {MARKER} marker cannot be read "
+                              f"({exc})") from None
+
+
+def _steps_newest_first(root: Path) -> list[Path]:
+    done = [f for f in root.glob("step-*") if is_complete(f)]
+    return sorted(done, key=lambda f: int(f.name.split("-")[1].split(".")[0]), reverse=True)
+
+
+def latest(root: str | os.PathLike, say=print) -> Path | None:
+    """The newest complete checkpoint under `root` that verifies (None if none does).
+    Newer ones that fail verification are skipped, and `say` (rank 0's) tells which."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    rank, _ = _rank_world()
+    for folder in _steps_newest_first(root):
+        try:
+            verify(folder)
+            return folder
+        except CheckpointError as exc:
+            if rank == 0 and say is not None:
+                say(f"skipping checkpoint {folder.name}: {exc}")
+    return None
+
+
+def clean_interrupted(root: str | os.PathLike) -> list[Path]:
+    """Remove the `.tmp` folders of saves that never finished (rank 0 only)."""
+    root = Path(root)
+    rank, _ = _rank_world()
+    removed = []
+    if rank == 0 and root.is_dir():
+        for tmp in root.glob(f"step-*{TMP_SUFFIX}"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+# ============================================================================ save / load
 
 
 def save(root: str | os.PathLike, step: int, wrapped, info: dict | None = None) -> Path:
-    with _quiet_sharded_tensor():
-        return _save(root, step, wrapped, info)
+    """Save the state after `step` steps into `root/step-<step>/`, atomically, with a
+    manifest. Called on every rank; returns the folder."""
+    with _quiet(), torch.no_grad():
+        return _save(Path(root), step, wrapped, info or {})
 
 
-def _save(root, step, wrapped, info) -> Path:
-    """Save the state after `step` steps into `root/step-<step>/`, atomically. Called on
-    every rank; returns the folder."""
+def _save(root: Path, step: int, wrapped, extra: dict) -> Path:
     rank, world = _rank_world()
     final = step_folder(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    state = state_dict(wrapped)  # refuses an undeclared layout before touching the disk
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
+        clean_interrupted(root)
         tmp.mkdir(parents=True)
     _barrier()
-    state = course_state_dict(wrapped)
     state["progress.step"] = torch.tensor(step, device="cpu")
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
              no_dist=not dist.is_initialized())
-    _barrier()  # every rank's shards are on disk
+    _barrier()  # every rank's files are on disk: each hashes its own
+    mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")))
+    files = {k: v for part in _agree(mine) for k, v in part.items()}
     if rank == 0:
-        marker = {"step": step, "world": world, **(info or {})}
-        (tmp / MARKER).write_text(json.dumps(marker))
+        files.update(describe([tmp / METADATA]))
+        write_manifest(tmp, files)
+        (tmp / MARKER).write_text(json.dumps({"step": step, "world": world, **extra}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # one rename: the folder is complete or it does not exist
     _barrier()
     return final
 
 
-def is_complete(folder: str | os.PathLike) -> bool:
-    folder = Path(folder)
-    return (folder.is_dir() and not folder.name.endswith(".tmp")
-            and (folder / MARKER).is_file() and (folder / ".metadata").is_file())
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root` (None if there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = [f for f in root.glob("step-*") if is_complete(f)]
-    return max(done, key=lambda f: int(f.name.split("-")[1]), default=None)
-
-
-def info(folder: str | os.PathLike) -> dict:
-    """The completion marker: step, world size and what the run recorded."""
-    return json.loads((Path(folder) / MARKER).read_text())
-
-
-def _check_matches(folder: Path, state: dict, names: set[str]) -> None:
-    """Refuse a checkpoint of another model, naming the first parameter that differs."""
-    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+def _check_matches(folder: Path, metadata, state: dict) -> None:
+    """Refuse a checkpoint of another model, naming the first tensor that differs."""
+    saved = metadata.state_dict_metadata
     for key, value in state.items():
-        if not key.startswith(("model.", "buffer.")):
+        if not key.startswith("model."):
             continue
-        size = tuple(value.size() if isinstance(value, ShardedTensor) else value.shape)
         if key not in saved:
-            raise ValueError(f"checkpoint {folder.name} does not match the model: it has no "
-                             f"parameter {key.split('.', 1)[1]!r}; resume with the model "
-                             f"it was saved from")
-        if tuple(saved[key].size) != size:
-            raise ValueError(f"checkpoint {folder.name} does not match the model: parameter "
-                             f"{key.split('.', 1)[1]!r} has {tuple(saved[key].size)} elements "
-                             f"in the checkpoint and {size} in the model")
+            raise CheckpointError(f"checkpoint {folder} does not match the model: it has no "
+                                  f"{key.split('.', 1)[1]!r}; resume with the model it was "
+                                  f"saved from")
+        size = tuple(value.size())
+        have = tuple(getattr(saved[key], "size", ()))
+        if have != size:
+            raise CheckpointError(f"checkpoint {folder} does not match the model: "
+                                  f"{key.split('.', 1)[1]!r} has shape {have} in the "
+                                  f"checkpoint and {size} in the model")
     extra = sorted(k.split(".", 1)[1] for k in saved
-                   if k.startswith("model.") and k.split(".", 1)[1] not in names)
+                   if k.startswith("model.") and k not in state)
     if extra:
-        raise ValueError(f"checkpoint {folder.name} does not match the model: it has "
-                         f"parameter {extra[0]!r}, which the model lacks")
+        raise CheckpointError(f"checkpoint {folder} does not match the model: it has "
+                              f"{extra[0]!r}, which the model lacks")
+    missing = sorted(k for k in state if k.startswith("optim.state.") and k not in saved)
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} holds no optimizer state "
+                              f"{missing[0][len('optim.state.'):]!r}: it was saved without "
+                              f"that optimizer (or by another one); resume with the same "
+                              f"optimizer")
 
 
-def load(folder: str | os.PathLike, wrapped) -> int:
-    """Load a checkpoint into a freshly wrapped model and optimizer, on any world size;
-    return the step to continue from. Called on every rank."""
-    with _quiet_sharded_tensor(), torch.no_grad():
-        return _load(folder, wrapped)
+def load(folder: str | os.PathLike, wrapped, trusted: bool = False) -> int:
+    """Load a checkpoint into a freshly wrapped model and optimizer, on any world size and
+    with any of the course's strategies; return the step to continue from. Called on every
+    rank. A folder shardlab did not write (PyTorch's own, say) has no manifest: it loads
+    only with `trusted=True` (its metadata is still read without running code)."""
+    with _quiet(), torch.no_grad():
+        return _load(Path(folder), wrapped, trusted)
 
 
-def _load(folder, wrapped) -> int:
-    folder = Path(folder)
-    if not is_complete(folder):
-        raise ValueError(f"{folder} is not a complete checkpoint (no {MARKER} marker): "
-                         f"pick one with shardlab.checkpoint.latest(root)")
+def _load(folder: Path, wrapped, trusted: bool) -> int:
     rank, _ = _rank_world()
-    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    state = course_state_dict(wrapped, for_load=True)
-    _check_matches(folder, state, parameter_names(wrapped))
-    state["progress.step"] = torch.tensor(0, device="cpu")
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint folder {folder}")
+    if not trusted:
+        if not is_complete(folder):
+            raise CheckpointError(f"{folder} is not a complete shardlab checkpoint (no "
+                                  f"{MARKER} marker): pick one with "
+                                  f"shardlab.checkpoint.latest(root), or pass trusted=True "
+                                  f"to load a checkpoint written by PyTorch itself")
+        verify(folder)
+    metadata = safe_load_metadata(folder / METADATA)
+    state = state_dict(wrapped, for_load=True)
+    _check_matches(folder, metadata, state)
+    saved = metadata.state_dict_metadata
+    if "progress.step" in saved:
+        state["progress.step"] = torch.tensor(0, device="cpu")
     rng_key = f"rng.rank{rank}"
     if rng_key in saved:  # a rank the saving run did not have keeps its own seed
         state[rng_key] = torch.get_rng_state()
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a file that verified but does not read
+        raise CheckpointError(f"checkpoint {folder} could not be read: "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") \
+            from None
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     for piece in _pieces(wrapped):
         if piece.master is not None:  # the file holds the master: the model computes
             piece.values.copy_(piece.master)  # with its cast
     wrapped.after_load()
-    return int(state["progress.step"])
+    if "progress.step" in state:
+        return int(state["progress.step"])
+    # PyTorch's own checkpoints have no progress entry; Adam counts the steps it took
+    counters = [v for k, v in state.items() if k.endswith(".step")
+                and isinstance(v, torch.Tensor) and v.dim() == 0]
+    return int(counters[0]) if counters else 0
 
 
 # ============================================================================ export
 
 
-def export_full_state_dict(wrapped, path: str | os.PathLike, model_name: str,
-                           seed: int = 0) -> None:
-    """Write the full, unsharded state dict for `build_model(model_name)` as a plain
-    `torch.save` file on rank 0 (every rank must call it: the shards are gathered).
-    Load it with `model.load_state_dict(torch.load(path, weights_only=True))`."""
-    from shardlab.models import build_model
+def export_full_state_dict(wrapped, path: str | os.PathLike) -> None:
+    """Write the full, unsharded state dict of the model, under the model's own names (a
+    tied weight under each of its names) with its persistent buffers, as a plain
+    `torch.save` file on rank 0. Every rank must call it: the shards are gathered. Any
+    model: `model.load_state_dict(torch.load(path, weights_only=True))` reads it into a
+    model built the same way."""
     full = wrapped.full_parameters() if wrapped.full_parameters else \
         {n: p.detach() for n, p in wrapped.module.named_parameters()}
+    names = [(piece.name, piece.aliases) for piece in _pieces(wrapped)]
     rank, _ = _rank_world()
     if rank == 0:
-        plain = build_model(model_name, seed)
-        with torch.no_grad():
-            for name, p in plain.named_parameters():  # each tied weight once, first name
-                p.copy_(full[name])
-            buffers = dict(wrapped.module.named_buffers())
-            for name, b in plain.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+        out = {}
+        for name, aliases in names:
+            for key in (name, *aliases):
+                out[key] = full[name].detach().cpu().clone()
+        persistent = set(wrapped.module.state_dict(keep_vars=True))
+        for name, buffer in wrapped.module.named_buffers():
+            if name in persistent:
+                out[name] = buffer.detach().cpu().clone()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(plain.state_dict(), path)
+        torch.save(out, path)
     _barrier()
 
 
-# ============================================================================ a worker
+# ============================================================================ workers
 
 
 def files_per_rank(folder: str | os.PathLike) -> dict[int, int]:
@@ -323,9 +447,9 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
     import statistics
     import time
 
+    from shardlab.launch import rank_device
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.precision import get_precision
-    from shardlab.launch import rank_device
     from shardlab.strategy import get_strategy, optimizer_spec
 
     rank, world = _rank_world()
@@ -352,3 +476,38 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
         out.append({"case": case, "save_s": statistics.median(saves),
                     "load_s": statistics.median(loads), "files": files_per_rank(folder)})
     return out
+
+
+def open_with_pytorch_fsdp2(folder: str, model: str, model_config: dict | None = None,
+                            wrap: str = "auto") -> dict:
+    """Run on every rank: build `model`, shard it with PyTorch's own `fully_shard` (per
+    unit of the wrap policy), and read the checkpoint with nothing but PyTorch's API
+    (`get_state_dict`, `dcp.load`, `set_state_dict`). Returns the full parameters it
+    loaded and the step count of Adam's state, on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlab.launch import rank_device
+    from shardlab.models import build_model
+    from shardlab.wrap import unit_modules
+
+    module = build_model(model, seed=1, config=model_config).to(rank_device())  # other
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))  # weights
+    for unit in unit_modules(module, wrap):
+        fully_shard(unit, mesh=mesh)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    full = {n: p.full_tensor().detach().cpu() for n, p in module.named_parameters()}
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return {"params": full, "adam_step": steps[0] if steps else 0.0}
+
+
+__all__ = ["save", "load", "latest", "is_complete", "info", "step_folder",
+           "clean_interrupted", "export_full_state_dict", "files_per_rank",
+           "timed_save_load", "open_with_pytorch_fsdp2", "boxes", "state_dict",
+           "CheckpointError", "MARKER"]

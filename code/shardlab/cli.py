@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardlab.launch import under_torchrun
-from shardlab.models import MODEL_NAMES
+from shardlab.launch import BACKENDS, DEVICES, LaunchError, RankFailed, under_torchrun
+from shardlab.models import MODEL_NAMES, build_model
 from shardlab.report import report_to_json, summary_table
 from shardlab.strategy import OPTIMIZERS, STRATEGIES
-from shardlab.train import TrainConfig, run
+from shardlab.train import TrainConfig, check_writable_folder, run
+from shardlab.wrap import unit_modules
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -60,7 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--option", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="a strategy option, e.g. bucket_mb=4 (repeatable)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--wrap", metavar="POLICY",
+                   help="the units of zero3/fsdp2/torch-fsdp2: auto, blocks, model, "
+                        "class:Name[,Name], min-params:N (see shardlab.wrap)")
+    p.add_argument("--model-config", action="append", type=_parse_option, default=[],
+                   metavar="KEY=VALUE", help="a setting of the model's architecture, e.g. "
+                                             "n_layer=12 (repeatable)")
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS))
+    p.add_argument("--device", default="auto", choices=list(DEVICES),
+                   help="auto: NCCL with a GPU per rank, gloo with ranks sharing the GPUs, "
+                        "or gloo on the CPU; cpu or cuda to force one")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--no-ledger", action="store_true", help="skip recording collectives")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,48 +85,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-world", type=int, default=None, metavar="N",
                    help="resume on N ranks, whatever world size saved the checkpoint "
                         "(the same as --world N with --resume)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="resume from a checkpoint shardlab did not write (PyTorch's own "
+                        "dcp.save): it has no manifest to verify")
     p.add_argument("--export", metavar="PATH",
                    help="after training, write the full unsharded state dict (torch.save)")
     return p
 
 
+SHARDS_BY_UNITS = ("zero3", "fsdp2", "torch-fsdp2")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit 0 after training, or 2 with one line `error: ...` on stderr for anything that
+    cannot run, found before a process starts where it can be."""
+    try:
+        return _main(build_parser().parse_args(argv))
+    except (ValueError, LaunchError) as exc:
+        message = (exc.rank_traceback.strip().splitlines()[-1]
+                   if isinstance(exc, RankFailed) else str(exc))
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _config(args) -> TrainConfig:
     torchrun = under_torchrun()
     if args.resume_world is not None and args.world is not None \
             and args.resume_world != args.world:
-        print("error: --resume-world and --world disagree; give one of them",
-              file=sys.stderr)
-        return 2
+        raise ValueError("--resume-world and --world disagree; give one of them")
+    for flag, value in (("--world", args.world), ("--resume-world", args.resume_world)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a whole number of ranks >= 1, got {value}")
     if args.resume_world is not None and not args.resume:
         args.resume = True
-    world = args.resume_world or args.world or (int(os.environ["WORLD_SIZE"]) if torchrun
-                                                else 1)
-    if args.strategy == "single" and (world != 1 or (torchrun and
-                                                     int(os.environ["WORLD_SIZE"]) != 1)):
-        print("error: strategy 'single' runs on one process: use --world 1 "
-              "(or torchrun --nproc-per-node=1)", file=sys.stderr)
-        return 2
-    config = TrainConfig(strategy=args.strategy, world=world, model=args.model,
-                         precision=args.precision, optimizer=args.optimizer, lr=args.lr,
-                         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         grad_accum=args.grad_accum, seed=args.seed,
-                         options=dict(args.option), measure_memory=not args.no_memory,
-                         record_ledger=not args.no_ledger, save_every=args.save_every,
-                         checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                         export_path=args.export)
-    try:
-        reports = run(config, backend=args.backend, progress=not args.no_progress)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if torchrun and int(os.environ["RANK"]) != 0:
+    world = next((w for w in (args.resume_world, args.world) if w is not None),
+                 int(os.environ["WORLD_SIZE"]) if torchrun else 1)
+    if args.strategy == "single" and world != 1:
+        raise ValueError("strategy 'single' runs on one process: use --world 1 "
+                         "(or torchrun --nproc-per-node=1)")
+    options = dict(args.option)
+    if args.wrap is not None:
+        if args.strategy not in SHARDS_BY_UNITS:
+            raise ValueError(f"--wrap chooses the units of {', '.join(SHARDS_BY_UNITS)}; "
+                             f"strategy {args.strategy!r} has none")
+        options["wrap"] = args.wrap
+    if args.json:
+        folder = Path(args.json).parent
+        if not folder.is_dir():
+            raise ValueError(f"the folder of --json, {str(folder)!r}, does not exist; "
+                             f"create it or give another path")
+        check_writable_folder(folder, "the folder of --json")
+    return TrainConfig(strategy=args.strategy, world=world, model=args.model,
+                       precision=args.precision, optimizer=args.optimizer, lr=args.lr,
+                       steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                       grad_accum=args.grad_accum, seed=args.seed, options=options,
+                       measure_memory=not args.no_memory, record_ledger=not args.no_ledger,
+                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
+                       resume=args.resume, export_path=args.export,
+                       model_config=dict(args.model_config) or None,
+                       trust_checkpoint=args.trust_checkpoint)
+
+
+def _main(args) -> int:
+    config = _config(args)
+    if args.wrap is not None:  # a policy that names no class of this model fails here
+        unit_modules(build_model(config.model, config.seed, config.model_config), args.wrap)
+    reports = run(config, backend=args.backend, device=args.device,
+                  progress=not args.no_progress)
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     if reports[0].first_step:
         print(f"\nresumed at step {reports[0].first_step}")
-    print(f"\n{config.strategy} on {world} rank(s): {config.model} "
-          f"({reports[0].psi:,} parameters), {config.precision}, {config.optimizer}, "
-          f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    print(f"\n{config.strategy} on {config.world} rank(s) ({reports[0].placement}): "
+          f"{config.model} ({reports[0].psi:,} parameters), {config.precision}, "
+          f"{config.optimizer}, {config.steps} steps of {config.batch_size} x "
+          f"{config.seq_len} tokens")
     print(summary_table(reports))
     if args.json:
         Path(args.json).write_text(json.dumps(report_to_json(config, reports), indent=1))

@@ -154,6 +154,9 @@ class Peak:
     # CUDA only: the caching allocator's peak reserved bytes (what the process took from
     # the device, allocated or cached: what `nvidia-smi` shows, and what runs out).
     reserved: int = 0
+    # Call between two forwards of one tracked step (gradient accumulation): PyTorch's
+    # MemTracker follows one forward per module unless its module statistics are reset.
+    next_forward: Any = lambda: None
 
 
 # MemTracker's names -> ours
@@ -214,6 +217,7 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
             other.append(local_tensor(t))
             moved[category] += nbytes
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
+    peak.next_forward = tracker.reset_mod_stats
     with tracker:
         yield peak
     snap = tracker.get_tracker_snapshot("peak")

@@ -35,6 +35,7 @@ class RunReport:
     params: dict[str, torch.Tensor] | None = None
     psi: int = 0  # trainable parameters of the model (each tied weight once)
     first_step: int = 0  # > 0 when resumed: losses[i] is the loss of step first_step + i
+    placement: str = ""  # how the ranks were placed: backend, device, ranks per GPU
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:
@@ -80,6 +81,7 @@ def report_to_json(config: Any, reports: list[RunReport]) -> dict:
 
     return {"config": {**config.__dict__},
             "ranks": [{"rank": r.rank, "world": r.world, "strategy": r.strategy,
+                       "placement": r.placement,
                        "psi": r.psi, "losses": r.losses, "state_bytes": r.state_bytes,
                        "peak": r.peak, "step_times": r.step_times,
                        "collectives_per_step": ledger_totals(r),

@@ -196,6 +196,10 @@ class Wrapped:
     optimizer: Any            # has step() and zero_grad()
     # Gradient accumulation: micro-batches before the last run under no_sync().
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext
+    # The backward of a loss. Autograd's own for every strategy of the course and of
+    # PyTorch; DeepSpeed's engine runs its own around it (it reduces and partitions the
+    # gradients), and says so here.
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     # The full (unsharded) parameters by their original names, on every rank: parity
     # tests compare these with the single-process reference.
     full_parameters: Callable[[], dict[str, torch.Tensor]] | None = None
@@ -273,6 +277,9 @@ STRATEGIES: dict[str, str] = {
     "zero3": "shardlab.sharded:wrap_zero3",
     "fsdp2": "shardlab.fsdp:wrap_fsdp2",
     "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
+    "deepspeed-zero1": "shardlab.deepspeed_ref:wrap_deepspeed_zero1",
+    "deepspeed-zero2": "shardlab.deepspeed_ref:wrap_deepspeed_zero2",
+    "deepspeed-zero3": "shardlab.deepspeed_ref:wrap_deepspeed_zero3",
 }
 
 

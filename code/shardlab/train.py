@@ -25,6 +25,7 @@ On top of it:
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 import time
@@ -36,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab import checkpoint
-from shardlab.comm import Ledger
-from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
+from shardlab.comm import Ledger, all_gather_into
+from shardlab.launch import RankFailed, launch, placement, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
 from shardlab.precision import get_precision
@@ -77,6 +78,9 @@ class TrainConfig:
     # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
     # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
     model_config: dict[str, Any] | None = None
+    # Resume from a checkpoint shardlab did not write (PyTorch's own `dcp.save`): it has
+    # no manifest to verify, so it is read only when asked (its metadata still safely).
+    trust_checkpoint: bool = False
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -102,7 +106,53 @@ class TrainConfig:
         if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
             raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
                              f"got {self.crash_rank!r}")
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            raise ValueError(f"model_config must be a dict of the architecture's settings, "
+                             f"got {type(self.model_config).__name__}")
+        if self.save_every:
+            check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
+        if self.export_path:
+            check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
         return self
+
+    def check_resume(self) -> int:
+        """The step the run resumes at (0 without resume), read from the checkpoint's
+        marker before any process starts; refuse a resume with nothing left to train."""
+        if not self.resume:
+            return 0
+        if self.resume is True:
+            checkpoint.clean_interrupted(self.checkpoint_dir)
+            folder = checkpoint.latest(self.checkpoint_dir)
+            if folder is None:
+                raise ValueError(f"no complete checkpoint that verifies in "
+                                 f"{self.checkpoint_dir}: train with save_every first, or "
+                                 f"resume=False")
+        else:
+            folder = Path(self.resume)
+            if not folder.is_dir():
+                raise ValueError(f"no checkpoint folder {folder}")
+        if not checkpoint.is_complete(folder):
+            return 0  # a foreign checkpoint (trust_checkpoint): its step is read on load
+        step = int(checkpoint.info(folder).get("step", 0))
+        if step >= self.steps:
+            raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
+                             f"{step}; ask for steps > {step}")
+        return step
+
+
+def check_writable_folder(folder, what: str) -> None:
+    """Refuse, before training, a folder that cannot be created or written to: create it
+    and write a probe file there, which is the only test that holds for every file system
+    and user (root passes permission checks that a read-only mount still refuses)."""
+    folder = Path(folder)
+    probe = folder / f".shardlab-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{what} {str(folder)!r} cannot be written ({exc.strerror}); "
+                         f"choose another folder") from None
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -172,13 +222,15 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             with tracker as tracked:
                 step_loss = torch.zeros((), device=device)
                 for micro in range(config.grad_accum):
+                    if micro and tracked is not None:
+                        tracked.next_forward()
                     x, y = get_batch(step, rank, world, config.batch_size, config.seq_len,
                                      config.seed, micro, config.grad_accum)
                     x, y = x.to(device), y.to(device)
                     sync = micro == config.grad_accum - 1
                     with contextlib.nullcontext() if sync else wrapped.no_sync():
                         loss = loss_fn(wrapped.model(x), y) / config.grad_accum
-                        loss.backward()
+                        wrapped.backward(loss)
                     step_loss += loss.detach()
                 wrapped.optimizer.step()
                 if last and config.measure_memory:
@@ -199,36 +251,40 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
             if tracked.reserved:  # CUDA: the allocator's reserved peak beside allocated
                 peak["reserved"] = int(tracked.reserved)
     close_progress()
-    # The global-batch loss: the mean of the ranks' means (equal row counts). Reduced
+    # The global-batch loss: the mean of the ranks' means (equal row counts). Gathered
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
-    # and nothing else.
+    # and nothing else; and summed here in rank order, not by an all-reduce, whose order
+    # of addition depends on how many losses there are (a run resumed halfway would then
+    # report other last digits than the same steps of the whole run).
     losses = (torch.stack(local_losses) if local_losses
               else torch.zeros(0, device=device)).float()
     if distributed and world > 1:
-        dist.all_reduce(losses)
-        losses /= world
+        everyone = torch.empty(world * losses.numel(), device=device)
+        all_gather_into(everyone, losses)
+        losses = everyone.view(world, -1).sum(dim=0) / world
     params = None
     if config.keep_params:
         full = wrapped.full_parameters or (lambda: named_full_parameters(wrapped.model))
         params = {k: v.detach().cpu().clone() for k, v in full().items()}
     if config.export_path:
-        checkpoint.export_full_state_dict(wrapped, config.export_path, config.model,
-                                          config.seed)
+        checkpoint.export_full_state_dict(wrapped, config.export_path)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
-                     params, psi, first_step)
+                     params, psi, first_step, placement())
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
     """Load the checkpoint `config.resume` names; return the step to continue from."""
     if not config.resume:
         return 0
+    if config.checkpoint_dir:
+        checkpoint.clean_interrupted(config.checkpoint_dir)
     folder = (checkpoint.latest(config.checkpoint_dir) if config.resume is True
               else Path(config.resume))
     if folder is None:
-        raise ValueError(f"no complete checkpoint in {config.checkpoint_dir}: train with "
-                         f"save_every first, or resume=False")
-    return checkpoint.load(folder, wrapped)
+        raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
+                         f"train with save_every first, or resume=False")
+    return checkpoint.load(folder, wrapped, trusted=config.trust_checkpoint)
 
 
 def _save(config: TrainConfig, step: int, wrapped: Wrapped, ledger: Ledger | None) -> None:
@@ -246,32 +302,35 @@ def train_many(configs: list[TrainConfig]) -> list[RunReport]:
     return [train_worker(c) for c in configs]
 
 
-def run(config: TrainConfig, *, backend: str = "auto", timeout: float = 600.0,
-        progress: bool = False) -> list[RunReport]:
+def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
+        timeout: float = 600.0, progress: bool = False) -> list[RunReport]:
     """Train `config` on `config.world` ranks (one for "single", which always runs on one
-    process); return the ranks' reports in rank order."""
+    process); return the ranks' reports in rank order. Everything that can be checked
+    (the config, the placement, the checkpoint to resume) is, before a process starts."""
     if config.strategy == "single":
         config = replace(config, world=1)
     config.validate()
+    config.check_resume()
     try:
-        return _launch_workers(config, backend, timeout, progress)
+        return _launch_workers(config, backend, device, timeout, progress)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
         last = failed.rank_traceback.strip().splitlines()[-1]
-        if last.startswith("ValueError: "):
-            raise ValueError(last[len("ValueError: "):]) from failed
+        kind, _, message = last.partition(": ")
+        if kind.rsplit(".", 1)[-1] in ("ValueError", "CheckpointError"):
+            raise ValueError(message) from failed
         raise
 
 
-def _launch_workers(config: TrainConfig, backend: str, timeout: float,
+def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: float,
                     progress: bool) -> list[RunReport]:
+    where = {"backend": backend, "device": device, "timeout": timeout}
     if under_torchrun():
         return launch(train_worker, config.world, config, "tqdm" if progress else None,
-                      backend=backend, timeout=timeout)
+                      **where)
     if not progress:
-        return launch(train_worker, config.world, config, None, backend=backend,
-                      timeout=timeout)
+        return launch(train_worker, config.world, config, None, **where)
     with tempfile.TemporaryDirectory(prefix="shardlab-train-") as tmp:
         path = Path(tmp) / "progress"
         path.touch()
@@ -280,8 +339,7 @@ def _launch_workers(config: TrainConfig, backend: str, timeout: float,
                                    daemon=True)
         watcher.start()
         try:
-            return launch(train_worker, config.world, config, str(path), backend=backend,
-                          timeout=timeout)
+            return launch(train_worker, config.world, config, str(path), **where)
         finally:
             done.set()
             watcher.join()

@@ -574,6 +574,11 @@ class TorchZero1:
     def param_groups(self) -> list[dict]:
         return self.zero.param_groups
 
+    @property
+    def optimizer(self):
+        """This rank's own optimizer, over the parameters PyTorch assigned it."""
+        return self.zero.optim
+
     def step(self) -> None:
         self.zero.step()
 

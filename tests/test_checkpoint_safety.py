@@ -1,0 +1,173 @@
+"""Nothing lost, nothing silent: a checkpoint is verified before a byte of it is used.
+
+Fault injection on checkpoints of one process (fast; the verification does not depend on
+the world size): flipped bytes, a truncated, emptied or deleted shard, garbage or
+truncated metadata, a metadata file crafted to run code when unpickled. Each is refused
+with one error naming the checkpoint and the file, and resuming falls back to the newest
+checkpoint that verifies, saying which it skipped. And a `Wrapped` that cannot say how
+its state is laid out is refused on save and on load, instead of resuming from wrong
+weights.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab import checkpoint
+from shardlab.launch import launch
+from shardlab.manifest import MANIFEST, CheckpointError
+from shardlab.train import TrainConfig, train_worker
+
+CONFIG = TrainConfig(steps=3, save_every=1, seq_len=16, measure_memory=False,
+                     record_ledger=False, keep_params=True)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Checkpoints after steps 1, 2 and 3 of one run."""
+    config = replace(CONFIG, checkpoint_dir=str(tmp_path))
+    train_worker(config)
+    return tmp_path, config
+
+
+def shard(folder: Path) -> Path:
+    return next(folder.glob("__0_*.distcp"))
+
+
+def newest(root: Path) -> Path:
+    return checkpoint.step_folder(root, 3)
+
+
+def test_an_intact_checkpoint_verifies_and_resumes(saved):
+    root, config = saved
+    assert checkpoint.latest(root) == newest(root)
+    assert (newest(root) / MANIFEST).is_file()
+
+
+def test_flipped_bytes_are_refused_naming_the_file(saved):
+    root, config = saved
+    path = shard(newest(root))
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"file {path.name} does not match its SHA-256"):
+        checkpoint.load(newest(root), object())
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(saved, capsys):
+    root, config = saved
+    path = shard(newest(root))
+    path.write_bytes(path.read_bytes()[:-100])  # truncated
+    assert checkpoint.latest(root) == checkpoint.step_folder(root, 2)
+    assert "skipping checkpoint step-000003" in capsys.readouterr().out
+    resumed = train_worker(replace(config, save_every=0, resume=True, steps=4))
+    assert resumed.first_step == 2
+
+
+@pytest.mark.parametrize("damage", ["emptied", "deleted", "metadata-garbage",
+                                    "metadata-truncated", "manifest-garbage"])
+def test_damaged_files_get_one_clear_error(saved, damage):
+    root, _ = saved
+    folder = newest(root)
+    if damage == "emptied":
+        shard(folder).write_bytes(b"")
+        expected = "has 0 bytes"
+    elif damage == "deleted":
+        name = shard(folder).name
+        shard(folder).unlink()
+        expected = f"file {name} is missing"
+    elif damage == "metadata-garbage":
+        (folder / ".metadata").write_bytes(b"not a pickle at all")
+        expected = "file .metadata"
+    elif damage == "metadata-truncated":
+        meta = folder / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:20])
+        expected = "file .metadata"
+    else:
+        (folder / MANIFEST).write_text("{]")
+        expected = "MANIFEST.json is damaged"
+    with pytest.raises(CheckpointError, match=expected) as raised:
+        checkpoint.load(folder, object())
+    assert str(folder) in str(raised.value)
+
+
+class _Exploit:
+    """Unpickling this runs `touch <path>`: what a crafted `.metadata` could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_malicious_metadata_file_runs_no_code(saved, tmp_path_factory):
+    """Even with a forged manifest that vouches for it, and even when the caller trusts
+    the folder: the metadata is read by an unpickler that knows only DCP's classes."""
+    root, _ = saved
+    folder = newest(root)
+    witness = tmp_path_factory.mktemp("witness") / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Exploit(witness)))
+    from shardlab.manifest import describe, write_manifest
+    files = describe(sorted(p for p in folder.iterdir() if p.name.endswith(".distcp")
+                            or p.name == ".metadata"))
+    write_manifest(folder, files)  # the attacker rewrote the manifest too
+    for trusted in (False, True):
+        with pytest.raises(CheckpointError, match="posix.system is not part of|"
+                                                  "os.system is not part of"):
+            checkpoint.load(folder, object(), trusted=trusted)
+    assert not witness.exists()
+
+
+def test_an_interrupted_save_is_cleaned_by_the_next_save(saved):
+    root, config = saved
+    leftover = root / "step-000007.tmp"
+    shutil.copytree(newest(root), leftover)
+    train_worker(replace(config, steps=1))  # saves step 1 again
+    assert not leftover.exists()
+
+
+def wrapped_without_a_layout(folder: str) -> list[str]:
+    """Worker: the silent case of a hand-built `Wrapped` around a per-block `fully_shard`
+    model: it declares no layout, so saving and loading refuse (ours and PyTorch's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardlab.fsdp import fully_shard
+    from shardlab.models import build_model
+    from shardlab.strategy import Wrapped
+
+    errors = []
+    for shard_fn in (fully_shard, lambda m: torch_fully_shard(
+            m, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))):
+        model = build_model("gpt-tiny")
+        for block in model.blocks:
+            shard_fn(block)
+        shard_fn(model)
+        wrapped = Wrapped(model, torch.optim.AdamW(model.parameters()))
+        for action in (lambda: checkpoint.save(folder, 1, wrapped),
+                       lambda: checkpoint.load(Path(folder) / "step-000001", wrapped)):
+            try:
+                action()
+                errors.append("no error")
+            except ValueError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def test_a_wrapped_without_a_declared_layout_is_refused(tmp_path):
+    # a real checkpoint of the same model, which the hand-built Wrapped must not load
+    launch(train_worker, 2, replace(CONFIG, strategy="fsdp2", world=2, steps=1,
+                                    checkpoint_dir=str(tmp_path)))
+    for error in launch(wrapped_without_a_layout, 2, str(tmp_path))[0]:
+        assert "declares no checkpoint layout" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]

@@ -1,0 +1,50 @@
+"""`python -m shardlab train`: bad input refused before anything runs, in one line, exit 2."""
+
+import pytest
+
+from shardlab.cli import main
+
+FAST = ["--no-progress", "--no-memory", "--no-ledger", "--seq-len", "16", "--steps", "2"]
+
+
+def refused(capsys, argv) -> str:
+    assert main(argv + FAST) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and out.strip() == ""  # nothing trained, nothing shown
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world", "0"], "--world must be a whole number of ranks >= 1, got 0"),
+    (["--strategy", "ddp", "--world", "-2"], "--world must be a whole number"),
+    (["--resume-world", "0"], "--resume-world must be a whole number of ranks >= 1"),
+    (["--world", "2", "--resume-world", "3"], "--resume-world and --world disagree"),
+    (["--world", "2"], "strategy 'single' runs on one process"),
+    (["--batch-size", "0"], "batch_size must be a whole number >= 1"),
+    (["--strategy", "ddp", "--world", "3"], "does not split evenly among 3 ranks"),
+    (["--json", "/nonexistent-folder/report.json"], "does not exist; create it"),
+    (["--save-every", "1", "--checkpoint-dir", "/proc/no/such"], "cannot be written"),
+    (["--export", "/proc/no/model.pt"], "cannot be written"),
+    (["--device", "cuda"], "device 'cuda' needs a GPU"),
+    (["--strategy", "ddp", "--world", "2", "--backend", "nccl"], "nccl"),
+    (["--strategy", "ddp", "--wrap", "class:Block"], "--wrap chooses the units of"),
+    (["--strategy", "zero3", "--world", "2", "--wrap", "class:GPT2Block"],
+     "no module of class ['GPT2Block']"),
+    (["--model", "hf-gpt2", "--model-config", "nlayer=2"], "unknown GPT2Config field"),
+    (["--strategy", "zero1", "--world", "2", "--option", "bucket=3"], "unknown option"),
+    (["--resume"], "no complete checkpoint that verifies"),
+])
+def test_bad_input_is_refused_in_one_line(capsys, tmp_path, argv, message):
+    if "--resume" in argv:
+        argv = argv + ["--checkpoint-dir", str(tmp_path)]
+    assert message in refused(capsys, argv)
+
+
+def test_resume_with_nothing_left_to_train_is_refused(capsys, tmp_path):
+    assert main(["--save-every", "2", "--checkpoint-dir", str(tmp_path)] + FAST) == 0
+    capsys.readouterr()
+    line = refused(capsys, ["--resume", "--checkpoint-dir", str(tmp_path)])
+    assert "nothing to train: the checkpoint step-000002 is at step 2; ask for steps > 2" \
+        in line

@@ -1,0 +1,104 @@
+"""The site as a reader meets it, and Colab: notebooks for the chapters, one repository URL,
+and a browser check that can fail.
+
+The check of the whole built site runs in `.ci/run` after the book is built
+(`python tools/check_site.py _build/html`); here the same checker is shown to catch each
+problem on pages broken on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import colab_notebooks  # noqa: E402
+
+
+def test_every_chapter_has_an_up_to_date_notebook_for_colab():
+    assert colab_notebooks.main(["--check"]) == 0
+
+
+def install_cells() -> dict[str, str]:
+    notebooks = [*sorted((ROOT / "labs").glob("*.ipynb")),
+                 *sorted((ROOT / "notebooks").rglob("*.ipynb"))]
+    cells = {}
+    for path in notebooks:
+        cells_ = json.loads(path.read_text())["cells"]
+        code = [c for c in cells_ if c["cell_type"] == "code"]
+        cells[str(path.relative_to(ROOT))] = "".join(code[0]["source"]) if code else ""
+    return cells
+
+
+def test_every_notebook_installs_the_course_from_the_one_repository_url():
+    url = colab_notebooks.repository_url()
+    cells = install_cells()
+    assert len(cells) >= 13
+    for name, source in cells.items():
+        assert source.startswith(colab_notebooks.INSTALL_COMMENT), name
+        assert f'"shardlab @ git+{url}"' in source, name
+        assert source.count("git+") == 1, name
+
+
+def test_every_lab_shows_its_title_before_the_install_cell():
+    for path in sorted((ROOT / "labs").glob("*.ipynb")):
+        first = json.loads(path.read_text())["cells"][0]
+        assert first["cell_type"] == "markdown" and "".join(first["source"]).startswith("# "), \
+            path.name
+
+
+# ----------------------------------------------------------------------------- the browser
+
+chromium = pytest.mark.skipif(
+    shutil.which("chromium") is None or not Path("/usr/bin/chromedriver").exists(),
+    reason="headless Chromium is not installed (Debian: apt-get install chromium "
+           "chromium-driver); .ci/run installs it")
+
+BROKEN = {
+    "js-error.html": "<html><body><p>fine text</p><script>notDefinedAnywhere();</script>"
+                     "</body></html>",
+    "raw-tex.html": "<html><body><p>The model: $$M = \\frac{16\\Psi}{N}$$</p></body></html>",
+    "broken-image.html": "<html><body><img src='missing.png'></body></html>",
+    "error-output.html": "<html><body><div class='output traceback'>Traceback</div>"
+                         "</body></html>",
+    "missing-notebook.html": "<html><body><a href='https://colab.research.google.com/github/"
+                             "shardlab/shardlab/blob/main/notebooks/nowhere.ipynb'>Colab</a>"
+                             "</body></html>",
+    "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p></body></html>",
+}
+
+
+@chromium
+def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
+    import check_site
+    for name, html in BROKEN.items():
+        (tmp_path / name).write_text(html)
+    (tmp_path / "index.html").write_text("<html><body>index</body></html>")
+    found = check_site.check_site(tmp_path)
+    assert any("JavaScript error" in p and "notDefinedAnywhere" in p
+               for p in found["js-error.html"])
+    assert any("untypeset TeX" in p for p in found["raw-tex.html"])
+    assert any("broken image: missing.png" in p for p in found["broken-image.html"])
+    assert found["error-output.html"] == ["1 error output(s)"]
+    assert any("notebooks/nowhere.ipynb" in p for p in found["missing-notebook.html"])
+    assert "good.html" not in found and "index.html" not in found
+
+
+def test_every_exercise_answer_in_the_labs_is_collapsed_with_its_output():
+    """A reader predicts before seeing the answer: solution cells (and the worked
+    predictions) are collapsed whole, input and output (`hide-cell`)."""
+    answers = 0
+    for path in sorted((ROOT / "labs").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"]).lstrip()
+            if cell["cell_type"] == "code" and source.startswith(
+                    ("# Solution", "# Your prediction", "%%writefile")):
+                answers += 1
+                assert "hide-cell" in cell["metadata"].get("tags", []), (path.name, source[:60])
+    assert answers >= 10
