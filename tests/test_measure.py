@@ -200,3 +200,68 @@ def test_the_training_loops_report_matches_the_formulas():
             assert r.state_bytes == {"params": b.params, "grads": b.grads,
                                      "optimizer": b.optimizer + STEP_COUNTER_BYTES * tensors,
                                      "buffers": 0}, (strategy, r.rank)
+
+
+class FlatParamsAndGradShard:
+    """ZeRO-2's layout in one process: the module's parameters are views of one padded
+    flat buffer, and the only gradient memory that outlives backward is a shard that is
+    nobody's `.grad` (a hook folds each full gradient into it and frees it)."""
+
+    def __init__(self, model: nn.Module, shard_numel: int):
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(numel + 3, device="cpu")  # 3 elements of padding
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                view = self.flat[offset:offset + p.numel()]
+                view.copy_(p.reshape(-1))
+                p.data = view.view_as(p)
+                offset += p.numel()
+        self.grad_shard = torch.zeros(shard_numel, device="cpu")
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.fold_and_free)
+
+    @torch.no_grad()
+    def fold_and_free(self, p: nn.Parameter) -> None:
+        n = min(p.numel(), self.grad_shard.numel())
+        self.grad_shard[:n] += p.grad.reshape(-1)[:n]
+        p.grad = None
+
+    def state_tensors(self):
+        return {"params": [self.flat], "grads": [self.grad_shard]}
+
+
+def test_peak_files_a_declared_gradient_shard_as_grads_not_params():
+    """A declared tensor that the modules' parameters are views of (ZeRO's flat buffer)
+    is MemTracker's to file as parameters; the gradient shard beside it must still be
+    counted as gradients at the peak, not moved into the parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    holder = FlatParamsAndGradShard(model, shard_numel=500)
+    x = torch.randn(16, 32)
+    with track_peak(model, holder) as peak:
+        model(x).square().mean().backward()
+    by = peak.by_category
+    assert by["params"] == holder.flat.numel() * 4
+    assert by["grads"] >= holder.grad_shard.numel() * 4
+    assert by["other"] == 0
+    assert peak.bytes == sum(by.values())
+    # outside the peak, the same holders count the same states
+    assert state_bytes(model, holder) == {"params": holder.flat.numel() * 4,
+                                          "grads": holder.grad_shard.numel() * 4,
+                                          "optimizer": 0, "buffers": 0}
+
+
+def test_zero2_peak_holds_its_gradient_shard():
+    """The report of a real ZeRO-2 run: at the peak of its last step the gradient shard
+    ((2 + 0) bytes x Ψ / N in bf16) is there, under "grads", and the parameters are the
+    flat buffer alone."""
+    from shardlab.train import TrainConfig, run
+
+    for r in run(TrainConfig(strategy="zero2", world=2, steps=2, precision="bf16-mixed",
+                             record_ledger=False)):
+        predicted = memory.model_states(r.psi, 2, 2, "bf16-mixed", "adamw")
+        assert r.state_bytes["grads"] == predicted.grads
+        assert r.peak["grads"] >= predicted.grads
+        assert r.peak["params"] == r.state_bytes["params"]

@@ -197,10 +197,14 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
 
     tracker = _frozen_aware_mem_tracker()
     modules = [h for h in holders if isinstance(h, nn.Module)]
-    module_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-    # MemTracker follows the modules' own `.grad`s; a gradient held elsewhere (ZeRO-2's
-    # shard is nobody's `.grad`) must be handed to it like any other declared tensor.
-    module_grads = {id(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
+    # MemTracker files by storage, and re-files a storage as "Parameter" (or "Gradient")
+    # whenever a module's parameter (or its `.grad`) is a view of it. So a declared tensor
+    # that shares its storage with a module tensor (ZeRO's flat parameter buffer, whose
+    # views the modules hold) is the module's to file; handing it over as well would make
+    # it count twice, or move another tensor's bytes into its category (ZeRO-2's gradient
+    # shard, nobody's `.grad`, showed up as parameters).
+    module_storages = {key for m in modules for t in _module_tensors(m)
+                       if (key := _storage_key(t)) is not None}
     # MemTracker knows modules and torch optimizers; the optimizer tensors of any other
     # holder (fp32 master copies, flat shards) are handed to it as one more optimizer's
     # state, and the remaining declared tensors, which it can only file as "Other", are
@@ -209,7 +213,7 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
     for category, t, nbytes in unique_storages(*holders):
         if category == "optimizer":
             optimizer_tensors.append(local_tensor(t))
-        elif id(t) not in module_tensors and id(t) not in module_grads:
+        elif _storage_key(t) not in module_storages:
             other.append(local_tensor(t))
             moved[category] += nbytes
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
@@ -226,6 +230,20 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         by[category] += nbytes
         by["other"] -= nbytes
     peak.by_category = by
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    key_bytes = storage_key_and_bytes(t)
+    return None if key_bytes is None else key_bytes[0]
+
+
+def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """A module's parameters, their `.grad`s and its buffers: what MemTracker files itself."""
+    for p in module.parameters():
+        yield p
+        if p.grad is not None:
+            yield p.grad
+    yield from module.buffers()
 
 
 class _NoHook:
