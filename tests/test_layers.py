@@ -16,7 +16,7 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYERS = {
     1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap", "manifest"},
     2: {"strategy"},
-    3: {"ddp", "zero", "sharded", "fsdp", "deepspeed_ref"},
+    3: {"ddp", "zero", "sharded", "fsdp", "deepspeed_ref", "tensor_parallel"},
     4: {"checkpoint", "viz", "report"},
     5: {"train", "demo", "cli", "__main__"},
 }

@@ -18,6 +18,7 @@ PUBLISHED = {
     "llama-2-70b": 68_976_648_192,
     "llama-3-8b": 8_030_261_248,
     "llama-3-70b": 70_553_706_496,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 
@@ -60,6 +61,20 @@ def test_the_count_is_that_of_a_real_module_of_the_same_shape(style, kv_heads, t
     c = memory.ModelConfig("small", style, layers=3, hidden=32, heads=4, kv_heads=kv_heads,
                            ffn=88, vocab=101, tied=tied, positions=16 if style == "gpt2" else 0)
     assert c.num_params() == sum(p.numel() for p in torch_model(c).parameters())
+    assert c.root_params() + c.layers * c.layer_params() == c.num_params()
+
+
+def test_gpt3_is_the_175b_of_its_paper():
+    assert memory.num_params("gpt3-175b") / 1e9 == pytest.approx(175, rel=0.01)
+
+
+def test_a_mixture_of_experts_layer_holds_every_expert_and_a_router():
+    dense = memory.get_model("llama-2-7b")
+    moe = memory.ModelConfig("moe", "llama", 2, 64, 4, 2, 176, 101, tied=False, experts=8,
+                             top_k=2)
+    plain = memory.ModelConfig("plain", "llama", 2, 64, 4, 2, 176, 101, tied=False)
+    assert moe.layer_params() - plain.layer_params() == 7 * 3 * 64 * 176 + 64 * 8
+    assert dense.expert_params() == 3 * dense.hidden * dense.ffn
 
 
 def test_bytes_per_parameter_of_each_recipe():
@@ -118,31 +133,157 @@ def test_largest_model_inverts_the_formulas():
     assert [round(s / 1e9, 1) for s in sizes] == [2.0, 7.6, 14.4, 128.0]
 
 
-def test_activations_follow_korthikanti():
+def test_gpt3s_layer_is_korthikantis_34_plus_5as_over_h():
+    c = memory.get_model("gpt3-175b")
+    s, b, h, a = 2048, 1, c.hidden, c.heads
+    layer = memory.layer_activations(c, b, s, attention="eager")
+    assert sum(layer.values()) == s * b * h * (34 + 5 * a * s // h)
+    assert layer["scores"] == 5 * a * s * s * b
+    selective = memory.activations(c, b, s, "selective", "eager")
+    assert selective.layers == c.layers * 34 * s * b * h  # their selective recomputation
+
+
+def test_llama_layer_term_by_term():
+    c = memory.get_model("llama-2-70b")  # GQA: 8 kv heads of 64, SwiGLU, no dropout
+    s, b, h, f, a, kv = 4096, 2, c.hidden, c.ffn, c.heads, c.kv_dim
+    sbh = s * b * h
+    assert kv == h // 8
+    sdpa = memory.layer_activations(c, b, s)
+    assert sdpa == {"norms": 4 * sbh, "attention": 6 * sbh + 4 * s * b * kv + 4 * a * s * b,
+                    "scores": 0, "mlp": 2 * sbh + 8 * s * b * f, "dropout": 0}
+    eager = memory.layer_activations(c, b, s, attention="eager")
+    assert eager["scores"] == 2 * a * s * s * b  # the softmax output; no dropout mask
+    assert eager["attention"] == sdpa["attention"] - 4 * a * s * b
+
+
+def test_recomputation_policies():
     c = memory.get_model("llama-2-7b")
-    s, b, h, a, L = 2048, 2, c.hidden, c.heads, c.layers
-    assert memory.activation_bytes(c, b, s) == L * s * b * h * (34 + 5 * a * s // h)
-    assert memory.activation_bytes(c, b, s, "selective") == L * 34 * s * b * h
-    assert memory.activation_bytes(c, b, s, "full") == L * 2 * s * b * h
+    s, b = 4096, 1
+    sbh, L = s * b * c.hidden, c.layers
+    for attention in memory.ATTENTION:
+        layer = sum(memory.layer_activations(c, b, s, attention).values())
+        scores = memory.layer_activations(c, b, s, attention)["scores"]
+        none = memory.activations(c, b, s, "none", attention)
+        selective = memory.activations(c, b, s, "selective", attention)
+        full = memory.activations(c, b, s, "full", attention)
+        assert none.layers == L * layer and none.recompute == 0
+        assert selective.layers == L * (layer - scores) and selective.recompute == scores
+        assert full.layers == L * 2 * sbh and full.recompute == layer
+        assert none.output == full.output == 4 * sbh + 4 * s * b * c.vocab
+        assert memory.activation_bytes(c, b, s, "full", attention) == full.total
+    # a fused kernel keeps no scores: selective recomputation has nothing left to drop
+    assert memory.activations(c, b, s, "selective") == memory.activations(c, b, s, "none")
+
+
+def test_a_mixture_of_experts_keeps_the_activations_of_top_k_experts():
+    c = memory.get_model("mixtral-8x7b")
+    s, b = 1024, 1
+    sbh, sbf = s * b * c.hidden, s * b * c.ffn
+    assert memory.layer_activations(c, b, s)["mlp"] == 2 * sbh + 2 * (2 * sbh + 8 * sbf)
+
+
+def test_activations_measured_on_hugging_face_layers():
+    """What autograd really saves in one layer of Hugging Face's Llama (GQA, SwiGLU) and
+    GPT-2 (GELU, dropout), in bf16 on the CPU, is the formula plus named extras."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from shardlab.models import build_model
+
+    s, b, h, heads = 128, 2, 128, 4
+
+    def saved_by_layer(model, layer):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen, inside = {}, []
+        layer.register_forward_pre_hook(lambda *_: inside.append(True))
+        layer.register_forward_hook(lambda *_: inside.clear())
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if inside and ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+        x = torch.randint(0, 256, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).logits.float().sum()
+        return sum(seen.values())
+
+    sbh, sb, ass = s * b * h, s * b, heads * s * s * b
+    llama = dict(hidden_size=h, intermediate_size=344, num_attention_heads=heads,
+                 num_key_value_heads=1, max_position_embeddings=s)
+    for attention in memory.ATTENTION:
+        m = build_model("hf-llama", config=llama).to(torch.bfloat16)
+        m.set_attn_implementation(attention)
+        cfg = memory.ModelConfig("l", "llama", 2, h, heads, 1, 344, 256, tied=False)
+        formula = sum(memory.layer_activations(cfg, b, s, attention).values())
+        # Hugging Face's RMSNorm computes in fp32: it keeps its fp32 input and the bf16
+        # normalized tensor (not the bf16 input): +4sbh and a fp32 rstd per row, twice;
+        # the rotary cos and sin tables, s x head_dim each
+        extra = 2 * (4 * sbh + 4 * sb) + 2 * 2 * s * (h // heads)
+        if attention == "eager":  # k and v repeated to every head, softmax in fp32
+            extra += 2 * (2 * sbh - 2 * sb * cfg.kv_dim) + 4 * ass
+        assert saved_by_layer(m, m.model.layers[0]) == formula + extra
+    gpt2 = dict(n_embd=h, n_head=heads, n_positions=s, activation_function="gelu_pytorch_tanh",
+                resid_pdrop=0.1, attn_pdrop=0.1)
+    m = build_model("hf-gpt2", config=gpt2).to(torch.bfloat16)
+    m.set_attn_implementation("eager")
+    m.train()
+    cfg = memory.ModelConfig("g", "gpt2", 2, h, heads, heads, 4 * h, 256, tied=True, positions=s)
+    formula = sum(memory.layer_activations(cfg, b, s, "eager").values())
+    assert formula == sbh * (34 + 5 * heads * s // h)
+    # on a CPU a dropout mask has the activation's dtype (2 bytes, 1 on CUDA): +sbh for
+    # each of the two masks, +as²b for the attention's; LayerNorm's mean and rstd in bf16
+    extra = 2 * sbh + ass + 2 * 2 * 2 * sb
+    assert saved_by_layer(m, m.transformer.h[0]) == formula + extra
 
 
 def test_transients():
     assert memory.gathered_unit_bytes(1000, "bf16-mixed") == 2000
     assert memory.gathered_unit_bytes(1000, "fp32", prefetch=True) == 8000
     assert memory.bucket_bytes(25 * 10**6 // 4, "fp32", buckets=2) == 50 * 10**6
+    c = memory.get_model("llama-3-8b")  # its root (embeddings, head) outweighs a layer
+    assert c.root_params() > c.layer_params()
+    assert memory.gathered_bytes(c) == 2 * (c.root_params() + c.layer_params())
+    assert memory.gathered_bytes(c, prefetch=False) == 2 * c.root_params()
+
+
+def test_offload_moves_the_ranks_shard_to_the_host():
+    psi, N = 8 * 10**9, 8
+    shard = psi // N
+    for stage in (1, 2, 3):
+        gpu, host = memory.offloaded_states(psi, N, stage, "optimizer")
+        kept = model_states(psi, N, stage)
+        assert gpu.optimizer == 0 and host.optimizer == 12 * shard
+        assert host.grads == 2 * shard and host.params == 0
+        assert gpu.params == kept.params
+        assert gpu.grads == (2 * psi if stage == 1 else 0)
+    gpu, host = memory.offloaded_states(psi, N, 3, "optimizer+params")
+    assert gpu.total == 0 and host.total == 16 * shard
+    gpu, host = memory.offloaded_states(psi, N, 2, "none")
+    assert gpu == model_states(psi, N, 2) and host.total == 0
+    with pytest.raises(ValueError, match="stage 1, 2 or 3"):
+        memory.offloaded_states(psi, N, 0, "optimizer")
+    with pytest.raises(ValueError, match="stage 3"):
+        memory.offloaded_states(psi, N, 2, "optimizer+params")
+    with pytest.raises(ValueError, match="optimizer\\+params"):
+        memory.offloaded_states(psi, N, 2, "nvme")
 
 
 def test_planner_finds_what_fits():
     rows = memory.plan("llama-2-7b", 80 * GB, 8, batch=1, seq=4096)
-    assert len(rows) == 4 * 3 * 2
+    # stage 0: no offload; 1 and 2: none or optimizer; 3: also optimizer+params
+    assert len(rows) == 3 * (1 + 2 + 2 + 3)
     fits = {(r.stage, r.checkpointing, r.offload) for r in rows if r.fits}
-    assert (0, "none", False) not in fits  # 16 x 6.7B = 108 GB of states alone
-    assert (3, "full", False) in fits
+    assert (0, "none", "none") not in fits  # 16 x 6.7B = 108 GB of states alone
+    assert (3, "full", "none") in fits
     for r in rows:
         assert r.total == r.states.total + r.activations + r.gathered
-        if r.offload:
-            assert r.states.optimizer == 0
+        assert r.activations == memory.activation_bytes("llama-2-7b", 1, 4096, r.checkpointing)
+        gpu, host = memory.offloaded_states(memory.num_params("llama-2-7b"), 8, r.stage,
+                                            r.offload)
+        assert (r.states, r.host) == (gpu, host)
         assert (r.gathered > 0) == (r.stage == 3)
+    eager = memory.plan("llama-2-7b", 80 * GB, 8, attention="eager")
+    assert all(e.activations >= r.activations for e, r in zip(eager, rows))
 
 
 def test_units():
@@ -163,6 +304,8 @@ def test_units():
     (lambda: memory.num_params("llama-4"), "llama-2-7b"),
     (lambda: memory.activation_bytes("gpt2-small", 0, 1024), "batch"),
     (lambda: memory.activation_bytes("gpt2-small", 1, 1024, "some"), "selective"),
+    (lambda: memory.activation_bytes("gpt2-small", 1, 1024, attention="flash"), "sdpa"),
+    (lambda: memory.plan("llama-2-7b", 80 * GB, 0), "world"),
     (lambda: memory.largest_model(-1, 8, 0), "memory"),
 ])
 def test_bad_input_names_what_is_accepted(call, match):
@@ -175,6 +318,7 @@ def test_command_line(capsys):
     out = capsys.readouterr().out
     assert "6,738,415,616" in out
     assert "3 (Pos+g+p)" in out and "fits" in out
+    assert "optimizer+params" in out
     line = next(l for l in out.splitlines() if l.startswith("0 (DDP)"))
     assert line.split()[-1] == f"{16 * 6_738_415_616 / GB:,.2f}"
 
