@@ -14,7 +14,7 @@ import shardlab
 PACKAGE = Path(shardlab.__file__).parent
 
 LAYERS = {
-    1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap"},
+    1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap", "debugging"},
     2: {"strategy"},
     3: {"ddp", "zero", "sharded", "fsdp", "deepspeed_ref"},
     4: {"checkpoint", "viz", "report"},
