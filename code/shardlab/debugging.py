@@ -59,7 +59,9 @@ class LimitCrossing:
     step: int = -1        # filled in by the loop
 
     def __str__(self) -> str:
-        where = f"{self.phase} of {self.module}" if self.module else self.phase
+        # outside every module: the loss (its backward starts the backward), the batch
+        where = (f"{self.phase} of {self.module}" if self.module
+                 else f"{self.phase}, outside the model's modules")
         return (f"{where} (step {self.step}): {self.held / 2**20:.2f} MiB held > limit "
                 f"{self.limit / 2**20:.2f} MiB")
 
@@ -70,6 +72,21 @@ class LimitWatch:
 
     limit: int
     crossing: LimitCrossing | None = None
+
+
+def check_memory_limit(limit: Any) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"memory_limit must be a whole number of bytes >= 1, got {limit!r}")
+    return limit
+
+
+def check_straggler(rank: Any, seconds: Any, world: int) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                             or not 0 <= rank < world):
+        raise ValueError(f"slow_rank must be a rank of the run (0..{world - 1}) or None, "
+                         f"got {rank!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"slow_seconds must be a number of seconds >= 0, got {seconds!r}")
 
 
 @contextlib.contextmanager
@@ -83,9 +100,7 @@ def memory_limit(limit: int) -> Iterator[LimitWatch]:
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"memory_limit must be a whole number of bytes >= 1, got {limit!r}")
-    watch = LimitWatch(limit)
+    watch = LimitWatch(check_memory_limit(limit))
     update = MemTracker._update_peak_stats
 
     def checked(tracker: Any, peak_state: Any) -> None:
@@ -132,4 +147,5 @@ def recompute_units(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
     return units
 
 
-__all__ = ["straggle", "LimitCrossing", "LimitWatch", "memory_limit", "recompute_units"]
+__all__ = ["straggle", "check_straggler", "LimitCrossing", "LimitWatch", "memory_limit",
+           "check_memory_limit", "recompute_units"]

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.comm import Ledger, clock_offset
-from shardlab.debugging import memory_limit, recompute_units, straggle
+from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
+                                recompute_units, straggle)
 from shardlab.launch import RankFailed, launch, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
@@ -155,9 +156,9 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
         raise ValueError(f"config.world={config.world} but the process group has {world} "
                          f"ranks; set world to the number of ranks launched")
     device = rank_device()
-    if config.slow_rank is not None and not 0 <= config.slow_rank < world:
-        raise ValueError(f"slow_rank must be a rank of the run (0..{world - 1}) or None, "
-                         f"got {config.slow_rank!r}")
+    check_straggler(config.slow_rank, config.slow_seconds, world)
+    if config.memory_limit is not None:
+        check_memory_limit(config.memory_limit)
     torch.manual_seed(config.seed)
     model = build_model(config.model, config.seed, config.model_config).to(device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
