@@ -197,39 +197,75 @@ def arrival_spans(reports: list[RunReport]) -> list[list[tuple[float, float]]]:
     return [_merge(spans) for spans in out]
 
 
+def rank_spans(reports: list[RunReport]) -> list[dict[str, Any]]:
+    """Every rank's spans, the whole run: collectives in flight (all, and by kind), the
+    exposed ones (waited for) and the idle ones (waited for another rank to arrive)."""
+    arrivals = arrival_spans(reports) if all(_timed(r) for r in reports) else None
+    out = []
+    for i, report in enumerate(reports):
+        if not _timed(report):
+            out.append(None)
+            continue
+        by_kind: dict[str, list] = {}
+        for r in report.ledger:
+            by_kind.setdefault(op_kind(r.op), []).append((r.start, _end(r)))
+        in_flight = _merge((r.start, _end(r)) for r in report.ledger)
+        exposed = _intersect(blocked_spans(report), in_flight)
+        out.append({"in_flight": in_flight,
+                    "by_kind": {k: _merge(v) for k, v in by_kind.items()},
+                    "exposed": exposed,
+                    "idle": _intersect(exposed, arrivals[i]) if arrivals else []})
+    return out
+
+
 def step_metrics(reports: list[RunReport]) -> list[list[dict[str, Any]]]:
     """Every rank's metrics of every step (seconds; overlap a fraction, None without
     communication): `[rank][step] -> {...}`. Pass all ranks' reports: idle time compares
     them."""
-    arrivals = arrival_spans(reports) if all(_timed(r) for r in reports) else None
     out = []
-    for i, report in enumerate(reports):
-        timed = _timed(report)
-        blocked = blocked_spans(report) if timed else []
-        by_kind: dict[str, list] = {}
-        for r in report.ledger:
-            by_kind.setdefault(op_kind(r.op), []).append((r.start, _end(r)))
-        in_flight = _merge((r.start, _end(r)) for r in report.ledger) if timed else []
-        exposed = _intersect(blocked, in_flight)
-        idle = _intersect(exposed, arrivals[i]) if arrivals else []
+    for report, spans in zip(reports, rank_spans(reports)):
         rows = []
         for s, seconds in enumerate(report.step_times):
             row: dict[str, Any] = {
                 "step": report.first_step + s, "seconds": seconds,
                 "tokens_per_second": report.tokens_per_step / seconds if seconds else 0.0}
-            if timed:
+            if spans is not None:
                 begin = report.step_starts[s]
                 end = begin + seconds
                 for kind in (*TIMED_OPS, "other"):
-                    row[f"{kind}_seconds"] = _length(_clip(_merge(by_kind.get(kind, [])),
+                    row[f"{kind}_seconds"] = _length(_clip(spans["by_kind"].get(kind, []),
                                                            begin, end))
-                comm = _length(_clip(in_flight, begin, end))
+                comm = _length(_clip(spans["in_flight"], begin, end))
                 row["comm_seconds"] = comm
-                row["exposed_seconds"] = _length(_clip(exposed, begin, end))
+                row["exposed_seconds"] = _length(_clip(spans["exposed"], begin, end))
                 row["overlap"] = (1 - row["exposed_seconds"] / comm) if comm > 0 else None
-                row["idle_seconds"] = _length(_clip(idle, begin, end))
+                row["idle_seconds"] = _length(_clip(spans["idle"], begin, end))
             rows.append(row)
         out.append(rows)
+    return out
+
+
+def step_timeline(reports: list[RunReport], step: int) -> list[dict[str, Any]]:
+    """One step of every rank, in milliseconds from that rank's start of the step: what
+    the loop did ("phases"), each collective's kind and span ("collectives"), and the
+    spans of exposed communication and of idle time. What `shardlab.viz` draws."""
+    out = []
+    for report, spans in zip(reports, rank_spans(reports)):
+        i = step - report.first_step
+        begin = report.step_starts[i]
+        end = begin + report.step_times[i]
+
+        def ms(pairs):
+            return [(1e3 * (a - begin), 1e3 * (b - begin)) for a, b in _clip(pairs, begin, end)]
+
+        collectives = [(op_kind(r.op), *span) for r in report.ledger
+                       for span in ms([(r.start, _end(r))])]
+        out.append({"rank": report.rank, "milliseconds": 1e3 * report.step_times[i],
+                    "phases": [(what, *span) for what, a, b in report.phases[i]
+                               for span in ms([(a, b)])],
+                    "collectives": collectives,
+                    "exposed": ms(spans["exposed"]) if spans else [],
+                    "idle": ms(spans["idle"]) if spans else []})
     return out
 
 
