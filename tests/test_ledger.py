@@ -111,6 +111,21 @@ def record_everything() -> dict[str, list]:
         _train(model, torch.optim.AdamW(model.parameters(), lr=0.1), ledger)
     out["torch-fsdp2"] = ledger.records
 
+    # When: a collective waited for at once, one waited for a step later (as ZeRO's
+    # overlapped all-gather is), one waited for after it finished, one never waited for.
+    with comm.Ledger() as ledger:
+        t = torch.ones(1 << 12)
+        dist.all_reduce(t)                                      # blocking: launch + wait
+        later = dist.all_reduce(t, async_op=True)
+        ledger.mark_step()
+        later.wait()                                            # waited in the next step
+        done = comm.all_gather_into(torch.empty(4 * WORLD), torch.ones(4), async_op=True)
+        dist.barrier()
+        done.wait()
+        dist.all_reduce(torch.ones(4), async_op=True)           # never waited for
+        dist.barrier()
+    out["when"] = ledger.records
+
     if os.path.exists("/proc/self/io"):  # the bytes really written to gloo's sockets
         out["wire"] = demo.socket_bytes(["ring_reduce_scatter", "ring_all_reduce",
                                          "all_reduce", "reduce_scatter", "all_gather"], 1 << 16)
@@ -163,6 +178,30 @@ def test_native_calls_are_recorded_with_ring_bytes(recorded):
         assert (send.sent_bytes, send.received_bytes) == (48, 0)
         assert (recv.sent_bytes, recv.received_bytes) == (0, 48)
         assert all(r.seconds > 0 and not math.isnan(r.seconds) for r in records)
+
+
+def test_every_record_says_when_it_ran_and_when_this_rank_waited(recorded):
+    for sections in recorded:
+        for name in ("rings", "native", "hooks", "torch-ddp", "torch-fsdp2", "when"):
+            for r in sections[name]:
+                assert 0 < r.start <= r.end and not math.isnan(r.end), (name, r.op)
+                assert r.end - r.start == pytest.approx(r.seconds)
+                assert r.group == "0"  # the default group's name, the same on every rank
+                assert all(r.start <= a <= b for a, b in r.waits), (name, r.op)
+        for r in sections["rings"]:  # a ring collective blocks from call to return
+            assert r.waits == [(r.start, r.end)]
+        # (barriers are not collectives of a strategy: the ledger leaves them out)
+        blocking, deferred, finished, unwaited = sections["when"]
+        # a blocking call: its launch, then its wait, which lasts until it completes
+        assert len(blocking.waits) == 2 and blocking.waits[0][0] == blocking.start
+        assert blocking.waits[1][1] >= blocking.end - 1e-3
+        # waited for in the next step: the wait is on the record of the step it ran in
+        assert (deferred.step, len(deferred.waits)) == (0, 2)
+        assert deferred.waits[1][0] > deferred.waits[0][1]
+        # a wait after it finished: a short wait that begins after its end
+        assert finished.op == "all_gather" and len(finished.waits) == 2
+        assert finished.waits[1][0] >= finished.end - 1e-3
+        assert len(unwaited.waits) == 1  # its launch only
 
 
 def test_list_and_coalesced_forms_are_one_record_each(recorded):

@@ -187,9 +187,14 @@ def test_refuses_a_model_that_differs_across_ranks():
 
 @pytest.mark.parametrize("wrap", [wrap_zero1, wrap_zero2])
 @pytest.mark.parametrize("options, words", [
-    ({"bucket_mb": 4}, ["bucket_mb", "bucket_numel", "param_groups"]),
+    ({"bucket_size": 4}, ["bucket_mb", "bucket_numel", "overlap_all_gather",
+                          "param_groups"]),
     ({"bucket_numel": 0}, ["bucket_numel", ">= 1"]),
     ({"bucket_numel": 2.5}, ["bucket_numel"]),
+    ({"bucket_mb": 0}, ["bucket_mb", "positive"]),
+    ({"bucket_mb": "25"}, ["bucket_mb", "positive"]),
+    ({"bucket_mb": 4, "bucket_numel": 4096}, ["bucket_mb", "bucket_numel", "not both"]),
+    ({"overlap_all_gather": "yes"}, ["overlap_all_gather", "True or False"]),
     ({"param_groups": "decay"}, ["param_groups", "function"]),
 ])
 def test_bad_options_are_refused_before_any_collective(wrap, options, words):

@@ -19,6 +19,11 @@ Three things live here, because they are one idea: *what a collective costs*.
    it on. That holds on any thread, so collectives launched from backward hooks and from
    DDP's C++ reducer are recorded too.
 
+   Each record also carries *when*: its launch (`start`), its completion (`end`) and the
+   spans during which this rank sat in `work.wait()` for it (`waits`; a blocking
+   collective is one launch followed by a wait). Those timestamps, not an assumed
+   bandwidth, are what `shardlab.report` turns into exposed communication and idle time.
+
    For a native collective, `sent_bytes`/`received_bytes` are what the *ring algorithm*
    would move for it on this rank, not what the backend did: the backend does not tell.
    That is the quantity of the ZeRO paper's analysis. gloo, for one, builds its
@@ -37,11 +42,12 @@ The module also holds the one shim for torch's renamed collectives: torch 2.13 r
 from __future__ import annotations
 
 import math
+import socket
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -75,9 +81,16 @@ class CollectiveRecord:
     logical_bytes: elements x element size of the full (unsharded) tensor the collective
     is about. sent_bytes / received_bytes: what this rank sends and receives (for native
     collectives: what the ring algorithm would). seconds: from the call to completion
-    (for native send/recv, whose backend gives no completion signal, to the launch).
+    (for a collective whose backend gives no completion signal, gloo's reduce-scatter and
+    send/recv, to the return of the first wait for it, or else to the launch).
     rounds / round_bytes: sequential point-to-point rounds of the ring, and the bytes of
     one round: the α-β model's `steps` and `bytes per step`.
+
+    start / end: `time.perf_counter()` at the launch and at the completion, the same
+    instants as `seconds` (`end` is NaN while neither a completion nor a wait is known).
+    waits: the (begin, end) spans in which this rank's thread was held by it: its launch,
+    then `work.wait()` (the whole call, for a ring collective, which blocks). group: the process group's name,
+    the same on every rank, so the ranks' records of one collective can be paired.
     """
 
     op: str
@@ -91,6 +104,10 @@ class CollectiveRecord:
     world: int = 1
     rounds: int = 0
     round_bytes: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    waits: list[tuple[float, float]] = field(default_factory=list)
+    group: str = ""
 
 
 def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
@@ -128,19 +145,22 @@ _local = threading.local()     # .depth > 0 while a ring collective runs on this
 
 
 def _emit(op, dtype, numel, logical_bytes, sent, received, seconds, world, rounds,
-          round_bytes) -> list[CollectiveRecord]:
+          round_bytes, start=0.0, group="") -> list[CollectiveRecord]:
     records = []
     for ledger in list(_ACTIVE):
         record = CollectiveRecord(op, dtype, numel, logical_bytes, sent, received, seconds,
-                                  ledger.step, world, rounds, round_bytes)
+                                  ledger.step, world, rounds, round_bytes, start,
+                                  start + seconds, [], group)
         ledger.records.append(record)
         records.append(record)
     return records
 
 
 @contextmanager
-def _recorded(op: str, tensor: torch.Tensor, numel: int, world: int, rank: int, src: int = 0):
-    """Record the ring collective run inside, once: inner rings and send/recv are muted."""
+def _recorded(op: str, tensor: torch.Tensor, numel: int, world: int, rank: int, src: int = 0,
+              group=None):
+    """Record the ring collective run inside, once: inner rings and send/recv are muted.
+    It blocks from call to return, so that whole span is also its wait."""
     outer = getattr(_local, "depth", 0)
     _local.depth = outer + 1
     start = time.perf_counter()
@@ -151,8 +171,10 @@ def _recorded(op: str, tensor: torch.Tensor, numel: int, world: int, rank: int, 
     if outer == 0 and _ACTIVE:
         size = tensor.element_size()
         sent, received, rounds, round_bytes = ring_traffic(op, numel, world, size, rank, src)
-        _emit(op, tensor.dtype, numel, numel * size, sent, received,
-              time.perf_counter() - start, world, rounds, round_bytes)
+        seconds = time.perf_counter() - start
+        for record in _emit(op, tensor.dtype, numel, numel * size, sent, received, seconds,
+                            world, rounds, round_bytes, start, _group_name(group)):
+            record.waits.append((start, start + seconds))
 
 
 # ----------------------------------------------------------------------------- the rings
@@ -239,7 +261,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None,
         check_same_tensor("ring_reduce_scatter", tensor, group)
     numel = tensor.numel()
     chunk = math.ceil(numel / world)
-    with _recorded("ring_reduce_scatter", tensor, numel, world, rank):
+    with _recorded("ring_reduce_scatter", tensor, numel, world, rank, group=group):
         padded = torch.zeros(world * chunk, dtype=tensor.dtype, device=tensor.device)
         padded[:numel].copy_(tensor.reshape(-1))
         chunks = padded.view(world, chunk)
@@ -268,7 +290,7 @@ def ring_all_gather(chunk: torch.Tensor, numel: int | None = None, group=None,
     if not 0 <= total <= world * size:
         raise ValueError(f"ring_all_gather: numel={numel} must be between 0 and world x "
                          f"chunk = {world * size}")
-    with _recorded("ring_all_gather", chunk, world * size, world, rank):
+    with _recorded("ring_all_gather", chunk, world * size, world, rank, group=group):
         gathered = torch.empty(world * size, dtype=chunk.dtype, device=chunk.device)
         pieces = gathered.view(world, size)
         pieces[rank].copy_(chunk.reshape(-1))
@@ -290,7 +312,7 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None,
     world, rank, _, _ = _ring_ranks(group)
     if check:
         check_same_tensor("ring_all_reduce", tensor, group)
-    with _recorded("ring_all_reduce", tensor, tensor.numel(), world, rank):
+    with _recorded("ring_all_reduce", tensor, tensor.numel(), world, rank, group=group):
         mine = ring_reduce_scatter(tensor, op, group, check=False)
         full = ring_all_gather(mine, tensor.numel(), group, check=False)
         tensor.copy_(full.view_as(tensor))
@@ -311,7 +333,7 @@ def ring_broadcast(tensor: torch.Tensor, src: int = 0, group=None,
     if check:
         check_same_tensor("ring_broadcast", tensor, group)
     numel = tensor.numel()
-    with _recorded("ring_broadcast", tensor, numel, world, rank, src):
+    with _recorded("ring_broadcast", tensor, numel, world, rank, src, group=group):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         position = (rank - src) % world
         sends = []
@@ -361,6 +383,15 @@ _NATIVE = {
 }
 
 
+def _group_name(group) -> str:
+    """The name c10d gave a process group: the same on every rank of it."""
+    try:
+        group = group if group is not None else dist.group.WORLD
+        return str(getattr(group, "group_name", ""))
+    except (RuntimeError, ValueError):  # no default group
+        return ""
+
+
 def _record_native(describe, args) -> Callable:
     """Record one native collective; return what to do with its result (time it)."""
     name, tensors, numel, boxed_group, src = describe(args)
@@ -370,32 +401,62 @@ def _record_native(describe, args) -> Callable:
     sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank, src)
     start = time.perf_counter()
     records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received, 0.0,
-                    world, rounds, round_bytes)
+                    world, rounds, round_bytes, start, _group_name(group))
 
     def finished(out):
         elapsed = time.perf_counter() - start
         for record in records:
             record.seconds = elapsed  # the launch; replaced by the completion if we can
+            record.end = start + elapsed
+            # the launch holds this thread too (copies, a full queue, a blocking backend)
+            record.waits.append((start, start + elapsed))
         work = out[-1] if isinstance(out, tuple) else out
         if not isinstance(work, torch.ScriptObject):
             return
         unboxed = dist.Work.unbox(work)
         if unboxed is None:  # a blocking NCCL collective: it is done, keep the launch time
             return
+        for ledger in _ACTIVE:  # `work.wait()` finds its records here (see _timed_wait)
+            ledger._by_work[id(unboxed)] = (unboxed, records)
+        for record in records:
+            record.end = math.nan  # known when the future completes, or a wait returns
         try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
             future = unboxed.get_future()
-        except RuntimeError:  # gloo's send/recv give no future: keep the launch time
+        except RuntimeError:  # gloo's reduce-scatter and send/recv give no future
             return
 
         def completed(_):
+            now = time.perf_counter()
             for record in records:
-                record.seconds = time.perf_counter() - start
+                record.seconds = now - start
+                record.end = now
 
         pending = future.then(completed)
         for ledger in _ACTIVE:
             ledger._pending.append(pending)
 
     return finished
+
+
+_original_wait = dist.Work.wait
+
+
+def _timed_wait(self, *args, **kwargs):
+    """`Work.wait`, timed: the span this rank's thread blocked on a collective."""
+    if not _ACTIVE:
+        return _original_wait(self, *args, **kwargs)
+    begin = time.perf_counter()
+    try:
+        return _original_wait(self, *args, **kwargs)
+    finally:
+        done = time.perf_counter()
+        for ledger in list(_ACTIVE):
+            _, records = ledger._by_work.get(id(self), (None, ()))
+            for record in records:
+                record.waits.append((begin, done))
+                if math.isnan(record.end):  # no completion signal (yet): the wait's return
+                    record.end = done
+                    record.seconds = done - record.start
 
 
 def _watching_kernel(op, describe):
@@ -429,6 +490,9 @@ def _watch_native_collectives() -> None:
     global _watch_library
     if _watch_library is not None:
         return
+    # `work.wait()` is where a rank blocks on an async collective (and, inside
+    # torch.distributed, on a blocking one): timed while a ledger is open.
+    dist.Work.wait = _timed_wait
     library = torch.library.Library("c10d", "IMPL")
     for name, describe in _NATIVE.items():
         op = getattr(torch.ops.c10d, name).default
@@ -448,6 +512,9 @@ class Ledger:
         self.records: list[CollectiveRecord] = []
         self.step = 0
         self._pending: list[torch.futures.Future] = []
+        # id(work) -> (work, its records): a work waited later (even a step later, as a
+        # deferred all-gather is) finds its records; the work is kept so its id stays its own
+        self._by_work: dict[int, tuple] = {}
 
     def __enter__(self) -> "Ledger":
         _watch_native_collectives()
@@ -460,9 +527,13 @@ class Ledger:
             for pending in self._pending:
                 pending.wait()
         self._pending.clear()
+        self._by_work.clear()
 
     def mark_step(self) -> None:
         self.step += 1
+        # forget works launched two steps ago or earlier: nobody waits for them any more
+        self._by_work = {k: (work, records) for k, (work, records) in self._by_work.items()
+                         if any(r.step >= self.step - 1 for r in records)}
 
     def totals(self) -> dict:
         return totals(self.records)
@@ -475,6 +546,32 @@ class Ledger:
 
     def table(self, seconds: bool = False) -> str:
         return format_table(self.records, seconds=seconds)
+
+
+def clock_offset(group=None, rounds: int = 5) -> float:
+    """This rank's `time.perf_counter()` minus rank 0's at the same instant, so that the
+    ranks' ledgers can be laid on one time axis (who arrived last at a collective).
+
+    Ranks on one host read one monotonic clock: 0. Across hosts the clocks differ by an
+    arbitrary amount; it is estimated as the median, over a few rounds, of the difference
+    between the clocks read just after a barrier (good to the barrier's exit skew). Call
+    it outside a `Ledger`: its collectives are not the strategy's.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return 0.0
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) == 1:
+        return 0.0
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    differences = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        now = torch.tensor([time.perf_counter()], dtype=torch.float64, device=device)
+        dist.broadcast(now, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        differences.append(time.perf_counter() - float(now))
+    return sorted(differences)[len(differences) // 2]
 
 
 _SUMMED = ("logical_bytes", "sent_bytes", "received_bytes", "seconds")
@@ -590,6 +687,7 @@ def fit_alpha_beta(records: Iterable[CollectiveRecord]) -> tuple[float, float]:
 __all__ = [
     "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
     "ring_all_reduce", "ring_broadcast", "check_same_tensor", "CollectiveRecord", "Ledger",
-    "ring_traffic", "totals", "per_op", "per_step", "format_table", "VOLUME_FACTORS",
-    "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds", "fit_alpha_beta",
+    "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
+    "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
+    "fit_alpha_beta",
 ]

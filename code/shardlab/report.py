@@ -1,17 +1,49 @@
 """The run report: what one rank did in a training run, and its summaries.
 
 `shardlab.train` fills a `RunReport` on every rank; this module turns the ranks' reports
-into what a reader looks at: collectives per step, a robust step time, a summary table,
-and JSON.
+into what a reader looks at: collectives per step, a robust step time, the production
+metrics, a summary table, and JSON.
+
+The production metrics are what an engineer watches on a sharded run, computed from
+timestamps the run recorded (never from an assumed bandwidth):
+
+* **step time** and **tokens/s per rank** (this rank's tokens of a step over its time);
+* **all-gather, reduce-scatter, all-reduce time**: the time each kind of collective was
+  in flight during the step, from its launch to its completion (the ledger's `start`,
+  `end`), clipped to the step;
+* **exposed communication**: the time in the step during which this rank *waited* for a
+  collective instead of computing: inside `work.wait()` (every blocking collective waits
+  there too) or at the end of backward, where a data-parallel wrapper waits for its last
+  buckets (PyTorch's DDP does it in C++, where no wait can be timed: the span from the
+  end of autograd's computation to the return of `backward()` stands for it), counted
+  only while a collective was in flight. **Overlap %** is the rest of the
+  communication time: in flight while the rank computed;
+* **idle time**: the part of the exposed time this rank spent waiting for another rank
+  to *arrive* at a collective (it had launched it; the slowest rank had not). The
+  ranks' records of one collective are paired by process group and order, and their
+  launch times laid on one clock (`comm.clock_offset`). A straggler shows it: every rank
+  but the slow one is idle for about the slow rank's delay;
+* **peak allocated** memory of the last step, and **peak reserved** on CUDA (what the
+  caching allocator took from the device; None on a CPU);
+* **checkpoint save and load** seconds, where the run saved or resumed.
+
+On a GPU the timestamps are the CPU's: a collective launched on a stream and waited on
+by the stream does not block the CPU, so there the exposed time needs the GPU's own
+timeline (the PyTorch profiler's trace); the loop's step times, which synchronize, stay
+right.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+# ----------------------------------------------------------------------------- the report
 
 
 @dataclass
@@ -22,6 +54,11 @@ class RunReport:
     `zero_grad()`, when parameters, gradients and optimizer states all exist. `peak` is
     the peak of the last step (tracked, which slows that step: `step_times[-1]` is not a
     timing to use; neither is `step_times[0]`, which pays for warm-up).
+
+    The timestamps are `time.perf_counter()` seconds of this rank: `step_starts[i]` when
+    step i began, `phases[i]` the (what, begin, end) spans the loop recorded in it
+    (forward, backward, the end of autograd's computation inside backward, the optimizer
+    step), `clock_offset` this clock minus rank 0's.
     """
 
     rank: int
@@ -36,6 +73,14 @@ class RunReport:
     psi: int = 0  # trainable parameters of the model (each tied weight once)
     first_step: int = 0  # > 0 when resumed: losses[i] is the loss of step first_step + i
     placement: str = ""  # how the ranks were placed: backend, device, ranks per GPU
+    tokens_per_step: int = 0  # this rank's tokens in one step (all its micro-batches)
+    step_starts: list[float] = field(default_factory=list)
+    phases: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    clock_offset: float = 0.0
+    checkpoint_save_seconds: list[float] = field(default_factory=list)
+    checkpoint_load_seconds: float | None = None
+    # where the tracked step first held more than TrainConfig.memory_limit (None: never)
+    memory_limit_crossing: str | None = None
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:
@@ -51,15 +96,289 @@ def ledger_totals(report: RunReport) -> dict[str, float]:
             "sent_bytes": sum(r.sent_bytes for r in later) / n}
 
 
+def steady_steps(report: RunReport) -> list[int]:
+    """The steps whose times mean something: all but the first (warm-up) and the last
+    (memory tracking), when there are enough."""
+    n = len(report.step_times)
+    return list(range(1, n - 1)) if n > 2 else list(range(n))
+
+
 def median_step_time(report: RunReport) -> float:
     """Median of the step times, leaving out the first (warm-up) and the last (memory
     tracking) step when there are enough steps."""
-    times = report.step_times[1:-1] if len(report.step_times) > 2 else report.step_times
-    return statistics.median(times)
+    return statistics.median(report.step_times[i] for i in steady_steps(report))
+
+
+# ----------------------------------------------------------------------------- intervals
+# Spans are (begin, end) pairs of one rank's clock; a "set" of spans is kept merged.
+
+
+def _merge(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted((a, b) for a, b in spans if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _intersect(xs, ys) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _clip(spans, begin: float, end: float) -> list[tuple[float, float]]:
+    return _intersect(spans, [(begin, end)])
+
+
+# ----------------------------------------------------------------------------- the metrics
+
+POINT_TO_POINT = ("send", "recv")
+TIMED_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def op_kind(op: str) -> str:
+    """The collective's kind, ours or native: "ring_all_gather" is an all-gather."""
+    op = op.removeprefix("ring_")
+    return op if op in TIMED_OPS else "other"
+
+
+def _end(record) -> float:
+    end = getattr(record, "end", math.nan)
+    return record.start + record.seconds if math.isnan(end) else end
+
+
+def _timed(report: RunReport) -> bool:
+    return bool(report.step_starts) and all(hasattr(r, "waits") for r in report.ledger)
+
+
+def blocked_spans(report: RunReport) -> list[tuple[float, float]]:
+    """When this rank waited on communication: in a wait for a collective, or at the end
+    of backward while a collective was in flight."""
+    waits = [w for r in report.ledger for w in r.waits]
+    tails = [(a, b) for spans in report.phases for what, a, b in spans
+             if what == "end of backward"]
+    in_flight = _merge((r.start, _end(r)) for r in report.ledger)
+    return _merge(waits + _intersect(_merge(tails), in_flight))
+
+
+def arrival_spans(reports: list[RunReport]) -> list[list[tuple[float, float]]]:
+    """For each rank, the spans from its launch of a collective to the launch by the
+    last rank of that collective's group, in the rank's own clock: while in them, the
+    collective could not progress, whatever this rank did."""
+    out: list[list[tuple[float, float]]] = [[] for _ in reports]
+    groups: dict[str, dict[int, list]] = {}
+    for i, report in enumerate(reports):
+        for record in report.ledger:
+            if record.op not in POINT_TO_POINT:
+                groups.setdefault(record.group, {}).setdefault(i, []).append(record)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for records in zip(*members.values()):  # the k-th collective of the group
+            if len({r.op for r in records}) > 1:
+                break  # the ranks' sequences part ways: pair no further
+            ranks = list(members)
+            latest = max(r.start - reports[i].clock_offset for i, r in zip(ranks, records))
+            for i, r in zip(ranks, records):
+                out[i].append((r.start, latest + reports[i].clock_offset))
+    return [_merge(spans) for spans in out]
+
+
+def rank_spans(reports: list[RunReport]) -> list[dict[str, Any]]:
+    """Every rank's spans, the whole run: collectives in flight (all, and by kind), the
+    exposed ones (waited for) and the idle ones (waited for another rank to arrive)."""
+    arrivals = arrival_spans(reports) if all(_timed(r) for r in reports) else None
+    out = []
+    for i, report in enumerate(reports):
+        if not _timed(report):
+            out.append(None)
+            continue
+        by_kind: dict[str, list] = {}
+        for r in report.ledger:
+            by_kind.setdefault(op_kind(r.op), []).append((r.start, _end(r)))
+        in_flight = _merge((r.start, _end(r)) for r in report.ledger)
+        exposed = _intersect(blocked_spans(report), in_flight)
+        out.append({"in_flight": in_flight,
+                    "by_kind": {k: _merge(v) for k, v in by_kind.items()},
+                    "exposed": exposed,
+                    "idle": _intersect(exposed, arrivals[i]) if arrivals else []})
+    return out
+
+
+def step_metrics(reports: list[RunReport]) -> list[list[dict[str, Any]]]:
+    """Every rank's metrics of every step (seconds; overlap a fraction, None without
+    communication): `[rank][step] -> {...}`. Pass all ranks' reports: idle time compares
+    them."""
+    out = []
+    for report, spans in zip(reports, rank_spans(reports)):
+        rows = []
+        for s, seconds in enumerate(report.step_times):
+            row: dict[str, Any] = {
+                "step": report.first_step + s, "seconds": seconds,
+                "tokens_per_second": report.tokens_per_step / seconds if seconds else 0.0}
+            if spans is not None:
+                begin = report.step_starts[s]
+                end = begin + seconds
+                for kind in (*TIMED_OPS, "other"):
+                    row[f"{kind}_seconds"] = _length(_clip(spans["by_kind"].get(kind, []),
+                                                           begin, end))
+                comm = _length(_clip(spans["in_flight"], begin, end))
+                row["comm_seconds"] = comm
+                row["exposed_seconds"] = _length(_clip(spans["exposed"], begin, end))
+                row["overlap"] = (1 - row["exposed_seconds"] / comm) if comm > 0 else None
+                row["idle_seconds"] = _length(_clip(spans["idle"], begin, end))
+            rows.append(row)
+        out.append(rows)
+    return out
+
+
+def step_timeline(reports: list[RunReport], step: int) -> list[dict[str, Any]]:
+    """One step of every rank, in milliseconds from that rank's start of the step: what
+    the loop did ("phases"), each collective's kind and span ("collectives"), and the
+    spans of exposed communication and of idle time. What `shardlab.viz` draws."""
+    out = []
+    for report, spans in zip(reports, rank_spans(reports)):
+        i = step - report.first_step
+        begin = report.step_starts[i]
+        end = begin + report.step_times[i]
+
+        def ms(pairs):
+            return [(1e3 * (a - begin), 1e3 * (b - begin)) for a, b in _clip(pairs, begin, end)]
+
+        collectives = [(op_kind(r.op), *span) for r in report.ledger
+                       for span in ms([(r.start, _end(r))])]
+        out.append({"rank": report.rank, "milliseconds": 1e3 * report.step_times[i],
+                    "phases": [(what, *span) for what, a, b in report.phases[i]
+                               for span in ms([(a, b)])],
+                    "collectives": collectives,
+                    "exposed": ms(spans["exposed"]) if spans else [],
+                    "idle": ms(spans["idle"]) if spans else []})
+    return out
+
+
+def production_metrics(reports: list[RunReport]) -> list[dict[str, Any]]:
+    """One summary per rank: medians over the steady steps of the step's times (ms),
+    tokens/s, overlap % over those steps together, peak memory, checkpoint seconds."""
+    summaries = []
+    for report, steps in zip(reports, step_metrics(reports)):
+        rows = [steps[i] for i in steady_steps(report)] if steps else []
+
+        def median(key: str) -> float | None:
+            values = [row[key] for row in rows if row.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        def ms(key: str) -> float | None:
+            value = median(key)
+            return None if value is None else 1e3 * value
+
+        comm = sum(row.get("comm_seconds") or 0.0 for row in rows)
+        exposed = sum(row.get("exposed_seconds") or 0.0 for row in rows)
+        saves = report.checkpoint_save_seconds
+        summaries.append({
+            "rank": report.rank,
+            "step_ms": ms("seconds"),
+            "tokens_per_s": median("tokens_per_second"),
+            "all_gather_ms": ms("all_gather_seconds"),
+            "reduce_scatter_ms": ms("reduce_scatter_seconds"),
+            "all_reduce_ms": ms("all_reduce_seconds"),
+            "other_comm_ms": ms("other_seconds"),
+            "comm_ms": ms("comm_seconds"),
+            "exposed_comm_ms": ms("exposed_seconds"),
+            "overlap_pct": 100 * (1 - exposed / comm) if comm > 0 else None,
+            "idle_ms": ms("idle_seconds"),
+            "peak_allocated": report.peak.get("total"),
+            "peak_reserved": report.peak.get("reserved"),
+            "checkpoint_save_s": statistics.median(saves) if saves else None,
+            "checkpoint_load_s": report.checkpoint_load_seconds,
+            "memory_limit_crossing": report.memory_limit_crossing,
+        })
+    return summaries
+
+
+# ----------------------------------------------------------------------------- the loop's clock
+
+
+class StepClock:
+    """The loop's timestamps of one step: `with clock.phase("forward"): ...`, and
+    `clock.watch_backward(loss)` before `loss.backward()` to note when autograd's own
+    computation ends (what follows, before `backward()` returns, is a wrapper's waiting:
+    DDP's last buckets, ZeRO-2's last reduce-scatters)."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, float, float]] = []
+
+    def phase(self, what: str):
+        return _Phase(self, what)
+
+    def watch_backward(self, loss: torch.Tensor) -> None:
+        if not loss.requires_grad:
+            return
+        from torch.autograd import Variable
+
+        def note_end() -> None:
+            self._computed = _now()
+
+        def on_first_gradient(grad):
+            # queued first, so it runs before any wrapper's end-of-backward callback
+            Variable._execution_engine.queue_callback(note_end)
+            return grad
+
+        loss.register_hook(on_first_gradient)
+        self._computed = None
+
+    def close_backward(self, end: float) -> None:
+        computed = getattr(self, "_computed", None)
+        if computed is not None and end > computed:
+            self.spans.append(("end of backward", computed, end))
+        self._computed = None
+
+
+class _Phase:
+    def __init__(self, clock: StepClock, what: str):
+        self.clock, self.what = clock, what
+
+    def __enter__(self) -> "_Phase":
+        self.begin = _now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _now()
+        self.clock.spans.append((self.what, self.begin, end))
+        if self.what == "backward":
+            self.clock.close_backward(end)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _cell(value, scale: float = 1.0, digits: int = 1, width: int = 8) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value * scale:>{width}.{digits}f}"
 
 
 def summary_table(reports: list[RunReport]) -> str:
-    """One line per rank: final loss, median step time, model states, peak, traffic."""
+    """Two blocks of one line per rank: what it holds and sends (final loss, median step
+    time, model states, peak, traffic), then where its step's time went (the production
+    metrics, ms per step, medians over the steady steps)."""
     mib = 1024 * 1024
     head = (f"{'rank':>4} {'loss':>8} {'step ms':>8} {'params MiB':>11} {'grads MiB':>10} "
             f"{'optim MiB':>10} {'peak MiB':>9} {'sent MiB/step':>14} {'colls/step':>11}")
@@ -71,18 +390,57 @@ def summary_table(reports: list[RunReport]) -> str:
                      f"{s.get('optimizer', 0) / mib:>10.3f} "
                      f"{r.peak.get('total', 0) / mib:>9.3f} {t['sent_bytes'] / mib:>14.3f} "
                      f"{t['calls']:>11.1f}")
+    head = (f"{'rank':>4} {'tokens/s':>9} {'AG ms':>7} {'RS ms':>7} {'AR ms':>7} "
+            f"{'exposed':>8} {'overlap%':>8} {'idle ms':>8} {'alloc MiB':>9} "
+            f"{'rsrvd MiB':>9} {'save s':>7} {'load s':>7}")
+    lines += ["", head, "-" * len(head)]
+    for m in production_metrics(reports):
+        lines.append(f"{m['rank']:>4} {_cell(m['tokens_per_s'], 1, 0, 9)} "
+                     f"{_cell(m['all_gather_ms'], width=7)} "
+                     f"{_cell(m['reduce_scatter_ms'], width=7)} "
+                     f"{_cell(m['all_reduce_ms'], width=7)} "
+                     f"{_cell(m['exposed_comm_ms'])} {_cell(m['overlap_pct'])} "
+                     f"{_cell(m['idle_ms'])} {_cell(m['peak_allocated'], 1 / mib, 3, 9)} "
+                     f"{_cell(m['peak_reserved'], 1 / mib, 3, 9)} "
+                     f"{_cell(m['checkpoint_save_s'], 1, 3, 7)} "
+                     f"{_cell(m['checkpoint_load_s'], 1, 3, 7)}")
+    crossings = [f"rank {r.rank}: {r.memory_limit_crossing}" for r in reports
+                 if r.memory_limit_crossing]
+    if crossings:
+        lines += ["", "memory limit crossed in " + "; ".join(crossings)]
     return "\n".join(lines)
+
+
+def _plain(value):
+    """JSON has no NaN, dtype or tuple: None, a string, a list."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def report_to_json(config: Any, reports: list[RunReport]) -> dict:
     def record(r) -> dict:
         fields = r.__dict__ if hasattr(r, "__dict__") else r._asdict()
-        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in fields.items()}
+        return {k: _plain(v) for k, v in fields.items()}
 
-    return {"config": {**config.__dict__},
+    metrics = production_metrics(reports)
+    steps = step_metrics(reports)
+    return {"config": _plain({**config.__dict__}),
             "ranks": [{"rank": r.rank, "world": r.world, "strategy": r.strategy,
                        "placement": r.placement,
                        "psi": r.psi, "losses": r.losses, "state_bytes": r.state_bytes,
                        "peak": r.peak, "step_times": r.step_times,
+                       "metrics": _plain(m), "steps": _plain(s),
                        "collectives_per_step": ledger_totals(r),
-                       "ledger": [record(x) for x in r.ledger]} for r in reports]}
+                       "checkpoint_save_seconds": r.checkpoint_save_seconds,
+                       "checkpoint_load_seconds": r.checkpoint_load_seconds,
+                       "step_starts": r.step_starts, "phases": _plain(r.phases),
+                       "clock_offset": r.clock_offset,
+                       "ledger": [record(x) for x in r.ledger]}
+                      for r, m, s in zip(reports, metrics, steps)]}

@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 
 from shardlab import checkpoint
-from shardlab.comm import Ledger, all_gather_into
+from shardlab.comm import Ledger, all_gather_into, clock_offset
+from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
+                                recompute_units, straggle)
 from shardlab.launch import RankFailed, launch, placement, rank_device, under_torchrun
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
 from shardlab.precision import get_precision
-from shardlab.report import RunReport, ledger_totals, median_step_time
+from shardlab.report import RunReport, StepClock, ledger_totals, median_step_time
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
 
 # ----------------------------------------------------------------------------- the config
@@ -81,6 +83,14 @@ class TrainConfig:
     # Resume from a checkpoint shardlab did not write (PyTorch's own `dcp.save`): it has
     # no manifest to verify, so it is read only when asked (its metadata still safely).
     trust_checkpoint: bool = False
+    # Production failures rehearsed on purpose (`shardlab.debugging`): rank `slow_rank`
+    # sleeps `slow_seconds` before every forward (a straggler); `recompute` recomputes
+    # each layer's activations in backward; `memory_limit` (bytes) notes where the
+    # tracked last step first holds more than that (RunReport.memory_limit_crossing).
+    slow_rank: int | None = None
+    slow_seconds: float = 0.0
+    recompute: bool = False
+    memory_limit: int | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -196,30 +206,47 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
         raise ValueError(f"config.world={config.world} but the process group has {world} "
                          f"ranks; set world to the number of ranks launched")
     device = rank_device()
+    check_straggler(config.slow_rank, config.slow_seconds, world)
+    if config.memory_limit is not None:
+        check_memory_limit(config.memory_limit)
     torch.manual_seed(config.seed)
     model = build_model(config.model, config.seed, config.model_config).to(device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     precision = get_precision(config.precision)
+    if config.recompute:  # before wrapping: a strategy's hooks then run inside it
+        recompute_units(model)
     wrapped = get_strategy(config.strategy)(model, precision,
                                             optimizer_spec(config.optimizer, config.lr),
                                             dict(config.options))
+    load_start = time.perf_counter()
     first_step = _resume(config, wrapped)
+    load_seconds = time.perf_counter() - load_start if config.resume else None
     update_progress, close_progress = _progress_reporter(progress if rank == 0 else None,
                                                          config.steps - first_step)
+    offset = clock_offset() if distributed and config.record_ledger else 0.0
     ledger = _ledger_or_nothing(config.record_ledger)
-    local_losses, step_times = [], []
+    local_losses, step_times, step_starts, phases, saves = [], [], [], [], []
+    delay = config.slow_seconds if rank == config.slow_rank else 0.0
     sizes: dict[str, int] = {}
     peak: dict[str, int] = {}
-    tracked = None
+    tracked = watched = None
     with ledger if ledger is not None else contextlib.nullcontext():
         for step in range(first_step, config.steps):
             if step == config.crash_at_step and rank == config.crash_rank:
                 raise RuntimeError(f"rank {rank} crashed at step {step} (crash_at_step)")
             last = step == config.steps - 1
-            tracker = (track_peak(*wrapped.holders())
-                       if last and config.measure_memory else contextlib.nullcontext())
+            tracking = last and (config.measure_memory or config.memory_limit is not None)
+            tracker = (track_peak(*wrapped.holders()) if tracking
+                       else contextlib.nullcontext())
+            watch = (memory_limit(config.memory_limit)
+                     if tracking and config.memory_limit is not None
+                     else contextlib.nullcontext())
+            clock = StepClock()
             start = time.perf_counter()
-            with tracker as tracked:
+            with watch as watched, tracker as tracked:
+                if delay:
+                    with clock.phase("injected delay"):
+                        straggle(delay)
                 step_loss = torch.zeros((), device=device)
                 for micro in range(config.grad_accum):
                     if micro and tracked is not None:
@@ -229,18 +256,26 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
                     x, y = x.to(device), y.to(device)
                     sync = micro == config.grad_accum - 1
                     with contextlib.nullcontext() if sync else wrapped.no_sync():
-                        loss = loss_fn(wrapped.model(x), y) / config.grad_accum
-                        wrapped.backward(loss)
+                        with clock.phase("forward"):
+                            loss = loss_fn(wrapped.model(x), y) / config.grad_accum
+                        clock.watch_backward(loss)
+                        with clock.phase("backward"):
+                            wrapped.backward(loss)
                     step_loss += loss.detach()
-                wrapped.optimizer.step()
-                if last and config.measure_memory:
+                with clock.phase("optimizer step"):
+                    wrapped.optimizer.step()
+                if tracking:
                     sizes = state_bytes(*wrapped.holders())
                 wrapped.optimizer.zero_grad()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
+            step_starts.append(start)
+            phases.append(clock.spans)
             if config.save_every and (step + 1) % config.save_every == 0:
+                save_start = time.perf_counter()
                 _save(config, step + 1, wrapped, ledger)
+                saves.append(time.perf_counter() - save_start)
             if ledger is not None and not last:
                 ledger.mark_step()
             local_losses.append(step_loss)
@@ -250,6 +285,9 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
                                                      tracked.by_category.items()}}
             if tracked.reserved:  # CUDA: the allocator's reserved peak beside allocated
                 peak["reserved"] = int(tracked.reserved)
+        crossing = watched.crossing if watched is not None else None
+        if crossing is not None:
+            crossing.step = config.steps - 1
     close_progress()
     # The global-batch loss: the mean of the ranks' means (equal row counts). Gathered
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
@@ -270,7 +308,11 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
         checkpoint.export_full_state_dict(wrapped, config.export_path)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
-                     params, psi, first_step, placement())
+                     params, psi, first_step, placement(),
+                     tokens_per_step=config.batch_size // world * config.seq_len,
+                     step_starts=step_starts, phases=phases, clock_offset=offset,
+                     checkpoint_save_seconds=saves, checkpoint_load_seconds=load_seconds,
+                     memory_limit_crossing=None if crossing is None else str(crossing))
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:

@@ -242,3 +242,51 @@ def explorer(default_model: str = "llama-2-7b"):
 
 __all__ = ["stacked_bars", "draw_stages", "stages_figure", "stages_animation",
            "predicted_vs_measured_figure", "per_rank_figure", "explorer"]
+
+
+def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
+    """One step of every rank, drawn from `shardlab.report.step_timeline`: per rank a lane
+    of what the loop computed and a lane of the collectives in flight, with the exposed
+    communication (the rank waited for it) hatched in red over the collectives and the
+    idle part of it (waiting for another rank to arrive) in black beneath them."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    compute = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
+               "injected delay": "#BBBBBB"}
+    comms = {"all_gather": "#DD8452", "reduce_scatter": "#C44E52", "all_reduce": "#937860",
+             "other": "#DA8BC3"}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.6 + 1.1 * len(timeline)), dpi=90)
+    labels = []
+    for i, rank in enumerate(timeline):
+        y = 2 * (len(timeline) - 1 - i)
+        for what, a, b in rank["phases"]:
+            if what in compute:
+                ax.broken_barh([(a, b - a)], (y, 0.8), color=compute[what])
+        for kind, a, b in rank["collectives"]:
+            ax.broken_barh([(a, b - a)], (y + 0.9, 0.7), color=comms[kind], alpha=0.8)
+        ax.broken_barh([(a, b - a) for a, b in rank["exposed"]], (y + 0.9, 0.7),
+                       facecolor="none", edgecolor="red", hatch="////", linewidth=0)
+        ax.broken_barh([(a, b - a) for a, b in rank["idle"]], (y + 0.82, 0.08),
+                       color="black")
+        labels.append((y + 0.8, f"rank {rank['rank']}"))
+    ax.set_yticks([y for y, _ in labels], [text for _, text in labels])
+    ax.set_xlabel("milliseconds from the start of the step")
+    ax.spines[["top", "right"]].set_visible(False)
+    handles = ([Patch(color=c, label=w) for w, c in compute.items()]
+               + [Patch(color=c, label=w.replace("_", "-")) for w, c in comms.items()]
+               + [Patch(facecolor="white", edgecolor="red", hatch="////", label="exposed"),
+                  Patch(color="black", label="idle")])
+    used = {w for r in timeline for w, *_ in r["phases"]} | \
+        {k for r in timeline for k, *_ in r["collectives"]} | {"exposed", "idle"}
+    ax.legend(handles=[h for h in handles if h.get_label().replace("-", "_") in used
+                       or h.get_label() in used],
+              frameon=False, fontsize=8, ncol=4, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(timeline) < 3 else -0.2))
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+__all__.append("step_timeline_figure")

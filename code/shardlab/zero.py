@@ -11,9 +11,10 @@ and splits the rest N ways:
              gradients is complete it is reduce-scattered and the full gradients are freed.
 
 The layout (DeepSpeed's, and PyTorch DDP's buckets): the trainable parameters of one
-parameter group are cut into buckets of whole parameters (about `bucket_numel` elements,
-filled from the last parameter back, the order backward produces gradients); all of the
-group's buckets live in one flat 1-D buffer and the model's parameters become views of it.
+parameter group are cut into buckets of whole parameters (about `bucket_mb` MB, 25 MB by
+default as DDP's, filled from the last parameter back, the order backward produces
+gradients); all of the group's buckets live in one flat 1-D buffer and the model's
+parameters become views of it.
 Each bucket is padded to a multiple of N, so it splits into N equal chunks and rank r owns
 chunk r of every bucket. With one bucket per group this is exactly "concatenate the
 group's parameters, pad to a multiple of N, rank r owns elements [r*S, (r+1)*S)".
@@ -37,6 +38,17 @@ Both move 2 psi logical bytes per step (psi in the communicated dtype), as much 
 DDP's all-reduce. A parameter that gets no gradient in a step is stepped with a zero
 gradient (as in DeepSpeed): with weight decay it still decays, where torch.optim would
 skip it.
+
+Equal bytes are not equal time. Done as above, the all-gather runs after the optimizer
+step with nothing to hide behind: the whole step waits for it. With
+`overlap_all_gather` (the default) it is hidden, as Megatron-LM's distributed optimizer
+hides it: the step updates the buckets one by one in the model's order and starts each
+bucket's all-gather as soon as its chunk is updated, without waiting (it runs while the
+next buckets are stepped); a hook before each module's forward waits for the bucket that
+holds the module's parameters, so the next forward's first layers compute while the
+later buckets are still in flight. Anything that reads the parameters outside a forward
+(a checkpoint, `full_parameters`) waits for all of them first (`wait_for_params`). The
+arithmetic is the same, so the result is the same to the bit.
 """
 
 from __future__ import annotations
@@ -62,10 +74,19 @@ from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_
                                get_strategy, named_full_parameters, optimizer_spec,
                                owned_ranges, state_of, tied_names)
 
+MB = 1 << 20
+
 # Options of wrap_zero1 / wrap_zero2, with their defaults.
 ZERO_OPTIONS: dict[str, Any] = {
-    # Elements per bucket; a parameter larger than this gets a bucket of its own.
-    "bucket_numel": 1 << 16,
+    # MB (2**20 bytes) of parameters per bucket, in the parameters' dtype, as DDP's
+    # bucket_mb; a parameter larger than this gets a bucket of its own. Small buckets
+    # pay the fixed cost of a collective many times; large ones hold a large gradient
+    # buffer (stage 2) and give the all-gather less to overlap with.
+    "bucket_mb": 25.0,
+    # The same size in elements instead (the earlier spelling); give one or the other.
+    "bucket_numel": None,
+    # Hide the parameters' all-gather behind the optimizer step and the next forward.
+    "overlap_all_gather": True,
     # None (one group: all trainable parameters) or a function model -> parameter groups
     # (a list of dicts, as for any torch.optim optimizer).
     "param_groups": None,
@@ -96,6 +117,7 @@ class Bucket:
     shard_start: int = 0        # where my chunk starts in the group's gradient shard
     waiting: set[int] = field(default_factory=set)   # stage 2: params without a gradient
     grad_buffer: torch.Tensor | None = None          # stage 2: the bucket's gradients
+    gather: Any = None          # overlap_all_gather: its all-gather while in flight
 
     def chunk_numel(self, world: int) -> int:
         return self.padded_numel // world
@@ -196,6 +218,19 @@ def check_bucket_numel(bucket_numel: Any) -> int:
     return bucket_numel
 
 
+def check_bucket_mb(bucket_mb: Any) -> float:
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) \
+            or not bucket_mb > 0 or bucket_mb == float("inf"):
+        raise ValueError(f"bucket_mb must be a positive number of MB (2**20 bytes), "
+                         f"got {bucket_mb!r}")
+    return float(bucket_mb)
+
+
+def bucket_numel_for(bucket_mb: float, element_size: int) -> int:
+    """Elements of `element_size` bytes in a bucket of `bucket_mb` MB (at least one)."""
+    return max(1, int(check_bucket_mb(bucket_mb) * MB) // element_size)
+
+
 # --------------------------------------------------------------------------- the optimizer
 
 
@@ -206,7 +241,14 @@ class ZeroOptimizer(InnerOptimizerFace):
     The optimizer built inside (`.optimizer`) steps only this rank's chunks, or fp32
     master copies of them when `master_weights`, so its state is 1/N of the usual.
     `param_order` (the model's parameters in forward order) decides the order in which
-    stage 2 reduces its buckets; every rank must reduce them in the same order.
+    stage 2 reduces its buckets and in which the step updates and gathers them; every
+    rank must use the same order. Buckets hold about `bucket_mb` MB of parameters (or
+    `bucket_numel` elements, when given).
+
+    With `overlap_all_gather`, `step()` returns with the all-gathers still in flight, and
+    `module` (the model) gets a hook before each submodule's forward that waits for the
+    buckets holding that submodule's own parameters. The inner optimizer is then stepped
+    once per bucket (its step hooks run once per bucket).
     """
 
     # Set to a list to record the schedule: (seconds, what, bucket, "start" | "end").
@@ -216,19 +258,29 @@ class ZeroOptimizer(InnerOptimizerFace):
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  *, stage: int = 1, master_weights: bool = False,
-                 bucket_numel: int = ZERO_OPTIONS["bucket_numel"], process_group=None,
-                 param_order: Sequence[nn.Parameter] | None = None, **defaults: Any):
+                 bucket_mb: float = ZERO_OPTIONS["bucket_mb"], bucket_numel: int | None = None,
+                 overlap_all_gather: bool = False, module: nn.Module | None = None,
+                 process_group=None, param_order: Sequence[nn.Parameter] | None = None,
+                 **defaults: Any):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r} "
                              f"(stage 3 is shardlab.sharded.wrap_zero3)")
-        check_bucket_numel(bucket_numel)
+        if bucket_numel is not None:
+            check_bucket_numel(bucket_numel)
+        else:
+            check_bucket_mb(bucket_mb)
+        if overlap_all_gather and module is None:
+            raise ValueError("overlap_all_gather needs module=the model, whose forward "
+                             "waits for the all-gathers")
         self.stage, self.master_weights = stage, master_weights
+        self.overlap_all_gather = bool(overlap_all_gather)
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.groups: list[FlatGroup] = []
         for gi, spec in enumerate(split_groups(params)):
-            buckets = fill_buckets(gi, spec["params"], self.world, bucket_numel)
+            numel = bucket_numel or bucket_numel_for(bucket_mb, spec["params"][0].element_size())
+            buckets = fill_buckets(gi, spec["params"], self.world, numel)
             flat = flatten_into_buckets(buckets)
             mine = [b.chunk(flat, self.rank, self.world) for b in buckets]
             # fp32 and "bf16": step my chunks in place. bf16-mixed: fp32 copies of them.
@@ -247,13 +299,20 @@ class ZeroOptimizer(InnerOptimizerFace):
             self.groups.append(g)
         self.optimizer = optimizer_class([{**g.hyper, "params": g.shards}
                                           for g in self.groups], **defaults)
+        self.buckets_in_model_order = self._model_order(param_order)
         if stage == 2:
             self._prepare_backward_hooks(param_order)
+        if self.overlap_all_gather:
+            self._install_forward_waits(module)
 
     # ------------------------------------------------------------------ torch.optim face
 
     @torch.no_grad()
     def step(self) -> None:
+        self.wait_for_params()  # gathers a forward did not wait for (an unused module's)
+        if self.overlap_all_gather:
+            self._step_bucket_by_bucket()
+            return
         for g in self.groups:
             grad = self.reduce_scatter_grads(g) if self.stage == 1 else g.grad_shard
             for b, shard in zip(g.buckets, g.shards):
@@ -267,6 +326,23 @@ class ZeroOptimizer(InnerOptimizerFace):
                 if self.master_weights:
                     b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
             self.all_gather_params(g)
+
+    def _step_bucket_by_bucket(self) -> None:
+        """Update one bucket's chunk, start its all-gather, go on to the next bucket while
+        it travels; the next forward waits for each bucket where it is first needed."""
+        grads = {id(g): self.reduce_scatter_grads(g) if self.stage == 1 else g.grad_shard
+                 for g in self.groups}
+        for b in self.buckets_in_model_order:
+            g = self.groups[b.group]
+            shard = g.shards[b.index]
+            c = b.chunk_numel(self.world)
+            shard.grad = grads[id(g)][b.shard_start:b.shard_start + c].to(shard.dtype)
+            with self.traced("optimizer step", b.index):
+                self.optimizer.step()  # only the shard with a gradient moves
+            shard.grad = None
+            if self.master_weights:
+                b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
+            self.start_all_gather(g, b)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -298,6 +374,7 @@ class ZeroOptimizer(InnerOptimizerFace):
         """This rank's pieces of every parameter: a bucket's chunk [r*c, (r+1)*c) holds
         the end of one parameter and the start of the next; frozen parameters, which no
         bucket holds, are whole on every rank."""
+        self.wait_for_params()
         names = tied_names(module)
         out = []
         for g in self.groups:
@@ -327,6 +404,7 @@ class ZeroOptimizer(InnerOptimizerFace):
     def all_gather_all(self) -> None:
         """Every rank's chunks into every rank's buffers (after a checkpoint loaded this
         rank's chunks only)."""
+        self.wait_for_params()
         for g in self.groups:
             if self.master_weights:
                 for b, shard in zip(g.buckets, g.shards):
@@ -366,6 +444,53 @@ class ZeroOptimizer(InnerOptimizerFace):
                 all_gather_into(b.region(g.flat_param),
                                 b.chunk(g.flat_param, self.rank, self.world),
                                 group=self.process_group)
+
+    def start_all_gather(self, g: FlatGroup, b: Bucket) -> None:
+        """Start the bucket's all-gather and return at once; `wait_for_bucket` ends it."""
+        self.trace("all-gather", b.index, "start")
+        b.gather = all_gather_into(b.region(g.flat_param),
+                                   b.chunk(g.flat_param, self.rank, self.world),
+                                   group=self.process_group, async_op=True)
+        if self.events is not None:  # its end is when the backend completes it
+            events, index = self.events, b.index
+            b.gather.get_future().then(lambda _: events.append(
+                (time.perf_counter(), "all-gather", index, "end")))
+
+    def wait_for_bucket(self, b: Bucket) -> None:
+        if b.gather is not None:
+            with self.traced("wait for all-gather", b.index):
+                b.gather.wait()
+            b.gather = None
+
+    def wait_for_params(self) -> None:
+        """Wait for every all-gather in flight: the parameters are whole again."""
+        for b in self.buckets_in_model_order:
+            self.wait_for_bucket(b)
+
+    def _model_order(self, param_order: Sequence[nn.Parameter] | None) -> list[Bucket]:
+        """The buckets in the order the forward needs them: by their first parameter."""
+        buckets = [b for g in self.groups for b in g.buckets]
+        if param_order is None:
+            return buckets
+        position = {id(p): k for k, p in enumerate(param_order)}
+        return sorted(buckets, key=lambda b: min(position.get(id(p), len(position))
+                                                 for p in b.params))
+
+    def _install_forward_waits(self, module: nn.Module) -> None:
+        """Before each submodule's forward, wait for the buckets of its own parameters."""
+        bucket_of = {id(p): b for g in self.groups for b in g.buckets for p in b.params}
+        order = {id(b): k for k, b in enumerate(self.buckets_in_model_order)}
+        for sub in module.modules():
+            mine = {id(bucket_of[id(p)]): bucket_of[id(p)]
+                    for p in sub.parameters(recurse=False) if id(p) in bucket_of}
+            if mine:
+                buckets = sorted(mine.values(), key=lambda b: order[id(b)])
+                sub.register_forward_pre_hook(functools.partial(self._wait_before_forward,
+                                                                buckets))
+
+    def _wait_before_forward(self, buckets: list[Bucket], module, args) -> None:
+        for b in buckets:
+            self.wait_for_bucket(b)
 
     @staticmethod
     def _attach_grads(g: FlatGroup) -> None:
@@ -520,7 +645,16 @@ def check_same_model_on_all_ranks(model: nn.Module, process_group=None) -> None:
 def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
                options: dict) -> Wrapped:
     opts = check_options(f"zero{stage}", options, ZERO_OPTIONS)
-    check_bucket_numel(opts["bucket_numel"])
+    if "bucket_mb" in options and "bucket_numel" in options:
+        raise ValueError("give the bucket size once: bucket_mb (MB) or bucket_numel "
+                         "(elements), not both")
+    if opts["bucket_numel"] is not None:
+        check_bucket_numel(opts["bucket_numel"])
+    else:
+        check_bucket_mb(opts["bucket_mb"])
+    if not isinstance(opts["overlap_all_gather"], bool):
+        raise ValueError(f"overlap_all_gather must be True or False, got "
+                         f"{opts['overlap_all_gather']!r}")
     if opts["param_groups"] is not None and not callable(opts["param_groups"]):
         raise ValueError(f"param_groups must be None or a function model -> list of "
                          f"parameter groups, got {type(opts['param_groups']).__name__}")
@@ -529,12 +663,18 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
     zero = ZeroOptimizer(params, optimizer.cls, stage=stage,
                          master_weights=precision.master_weights,
-                         bucket_numel=opts["bucket_numel"],
+                         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
+                         overlap_all_gather=opts["overlap_all_gather"], module=model,
                          param_order=[p for p in model.parameters() if p.requires_grad],
                          **optimizer.kwargs)
+
+    def full_parameters() -> dict[str, torch.Tensor]:
+        zero.wait_for_params()
+        return named_full_parameters(model)
+
     # no_sync is not needed: stage 1 reduces only in step(), so micro-batches accumulate
     # locally; stage 2 reduces every micro-batch and accumulates into the shard.
-    return Wrapped(model, zero, full_parameters=lambda: named_full_parameters(model),
+    return Wrapped(model, zero, full_parameters=full_parameters,
                    pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all)
 
 
@@ -636,11 +776,14 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
 
 def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int = 3,
                       bucket_numel: int = 1 << 14, model: str = "gpt-tiny",
-                      batch_size: int = 8, seq_len: int = 32) -> dict[str, list[tuple]]:
+                      batch_size: int = 8, seq_len: int = 32,
+                      overlap_all_gather: bool = False) -> dict[str, list[tuple]]:
     """Run on every rank (with `shardlab.launch.launch`): train `steps` steps with each
     strategy and return the schedule of the last one as (seconds from the step's start,
     what, bucket, "start" | "end"): forward, backward, each bucket's reduce-scatter and
-    all-gather, and the optimizer step."""
+    all-gather, and the optimizer step. With `overlap_all_gather` the all-gathers end in
+    the next step's forward, so that forward ("next forward") is recorded too, with each
+    module's "wait for all-gather"."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     timelines = {}
@@ -648,10 +791,15 @@ def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int
         wrapped = get_strategy(strategy)(build_model(model, seed=0).to(device),
                                          get_precision("fp32"),
                                          optimizer_spec("adamw", 1e-3),
-                                         {"bucket_numel": bucket_numel})
+                                         {"bucket_numel": bucket_numel,
+                                          "overlap_all_gather": overlap_all_gather})
         zero: ZeroOptimizer = wrapped.optimizer
-        for step in range(steps):
+        for step in range(steps + overlap_all_gather):
             x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size, seq_len))
+            if step == steps:  # the next step's forward, where the gathers are waited for
+                with zero.traced("next forward"):
+                    loss = loss_fn(wrapped.model(x), y)
+                break
             zero.events = [] if step == steps - 1 else None
             dist.barrier()  # start the step together, so that waits are the schedule's
             start = time.perf_counter()
@@ -661,6 +809,7 @@ def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int
                 loss.backward()
             zero.step()
             zero.zero_grad()
+        zero.wait_for_params()
         timelines[strategy] = [(t - start, what, bucket, edge)
                                for t, what, bucket, edge in zero.events]
         zero.events = None

@@ -1,0 +1,106 @@
+"""ZeRO-1 and ZeRO-2 with the parameters' all-gather overlapped, against without.
+
+    python benchmarks/bench_overlap.py --worlds 2 4 --reps 5
+
+Without overlap, ZeRO-1/2 all-gather the updated parameters after the optimizer step,
+with nothing to compute meanwhile: the whole step waits for it. With
+`overlap_all_gather` (the default) each bucket's all-gather starts as soon as its chunk
+is stepped and is waited for by the next forward, module by module.
+
+For each world size, one launch runs every case `--reps` times, interleaved (each
+repetition runs zero1 and zero2, overlap off and on, alternating which comes first), so
+a noisy minute on a shared machine slows both sides of a pair alike. A run's step time
+is its slowest rank's median step (steps after the first, before the last); a pair's
+ratio is on / off, and the printed ratio is the median over repetitions. The exposed
+communication (from the run report: time a rank waited for a collective) says where the
+time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from shardlab.launch import launch
+from shardlab.report import median_step_time, production_metrics
+from shardlab.train import TrainConfig, train_many
+
+
+def step_time(reports) -> float:
+    """A step is as slow as its slowest rank."""
+    return max(median_step_time(r) for r in reports)
+
+
+def exposed_ms(reports) -> float:
+    return max(m["exposed_comm_ms"] or 0.0 for m in production_metrics(reports))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--strategies", nargs="+", default=["zero1", "zero2"],
+                   choices=["zero1", "zero2"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8, help="steps per run (first and last "
+                   "are left out of the timing)")
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--bucket-mb", type=float, default=1.0,
+                   help="bucket size: gpt-small's 12.4 MiB in about a dozen buckets (25 MB, "
+                        "the default, suits models of billions of parameters: one bucket "
+                        "here, and nothing to overlap)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
+    args = p.parse_args(argv)
+
+    out = {}
+    for world in args.worlds:
+        base = TrainConfig(world=world, model=args.model, steps=args.steps,
+                           batch_size=args.batch_size, seq_len=args.seq_len,
+                           measure_memory=False)
+        cases = []  # (rep, strategy, overlap)
+        for rep in range(args.reps):
+            for strategy in args.strategies:
+                order = (False, True) if rep % 2 == 0 else (True, False)
+                cases += [(rep, strategy, overlap) for overlap in order]
+        configs = [replace(base, strategy=s, options={"bucket_mb": args.bucket_mb,
+                                                      "overlap_all_gather": on})
+                   for _, s, on in cases]
+        for config in configs:
+            config.validate()
+        per_rank = launch(train_many, world, configs, backend=args.backend, timeout=3600)
+        runs = {case: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+        print(f"\n{args.model} ({per_rank[0][0].psi:,} parameters), world {world}, "
+              f"{args.bucket_mb:g} MB buckets, batch {args.batch_size} x {args.seq_len}, "
+              f"{args.steps} steps x {args.reps} interleaved repetitions")
+        head = (f"{'strategy':<8} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'min-max':>11} "
+                f"{'exposed off':>12} {'exposed on':>11}")
+        print(head)
+        print("-" * len(head))
+        out[world] = {}
+        for s in args.strategies:
+            off = [step_time(runs[(r, s, False)]) for r in range(args.reps)]
+            on = [step_time(runs[(r, s, True)]) for r in range(args.reps)]
+            ratios = [a / b for a, b in zip(on, off)]
+            exposed = {flag: statistics.median(exposed_ms(runs[(r, s, flag)])
+                                               for r in range(args.reps))
+                       for flag in (False, True)}
+            ratio = statistics.median(ratios)
+            print(f"{s:<8} {1e3 * statistics.median(off):>8.1f} "
+                  f"{1e3 * statistics.median(on):>8.1f} {ratio:>7.2f} "
+                  f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11} "
+                  f"{exposed[False]:>9.1f} ms {exposed[True]:>8.1f} ms")
+            out[world][s] = {"off_s": off, "on_s": on, "ratios": ratios, "ratio": ratio,
+                             "exposed_ms": {"off": exposed[False], "on": exposed[True]}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

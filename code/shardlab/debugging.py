@@ -1,0 +1,151 @@
+"""What the debugging chapter does to a run on purpose: slow a rank, cap the memory,
+recompute activations.
+
+A production run fails in a few typical ways, and each is easier to recognise after it
+has been caused on purpose and seen in the run report (`shardlab.report`):
+
+* a *straggler*: one rank is slower (a busy host, a slow data loader, a throttled GPU)
+  and every other rank waits for it in the next collective. `straggle(rank, seconds)`
+  makes this rank sleep before each forward, so the report's idle time can be checked
+  against a known delay;
+* *out of memory*: the step crosses what the device holds, at one place in the step (the
+  logits' forward, a layer's backward, the optimizer step). `memory_limit(limit)` watches
+  the step as PyTorch's `MemTracker` counts it and notes where it first crosses `limit`;
+* *recomputation* (activation checkpointing), the usual fix for activations:
+  `recompute_units(model)` keeps each unit's input instead of its activations and runs
+  its forward again in backward, with PyTorch's composable `checkpoint`, which leaves the
+  modules and their parameter names as they are.
+
+On a GPU the memory limit is real: `torch.cuda.set_per_process_memory_fraction` caps the
+caching allocator, and the step raises `torch.OutOfMemoryError` at the allocation that
+crosses it, inside the module named here. On a CPU nothing runs out at a chosen size, so
+the watch only notes the place; the run goes on, and the report says where it would
+have died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from torch import nn
+
+from shardlab.wrap import unit_modules
+
+
+# ----------------------------------------------------------------------------- a straggler
+
+
+def straggle(seconds: float) -> None:
+    """This rank's share of the slowness: a sleep, as long as asked, where a slow data
+    loader or a busy host would cost it (before the forward)."""
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+# ----------------------------------------------------------------------------- a memory limit
+
+
+@dataclass
+class LimitCrossing:
+    """Where a step first held more than the limit."""
+
+    limit: int            # bytes
+    held: int             # bytes held right after the operation that crossed it
+    phase: str            # "forward", "backward" or "optimizer step"
+    module: str           # the innermost module running then ("" between modules)
+    step: int = -1        # filled in by the loop
+
+    def __str__(self) -> str:
+        # outside every module: the loss (its backward starts the backward), the batch
+        where = (f"{self.phase} of {self.module}" if self.module
+                 else f"{self.phase}, outside the model's modules")
+        return (f"{where} (step {self.step}): {self.held / 2**20:.2f} MiB held > limit "
+                f"{self.limit / 2**20:.2f} MiB")
+
+
+@dataclass
+class LimitWatch:
+    """What `memory_limit` hands back: `crossing` is None while the limit holds."""
+
+    limit: int
+    crossing: LimitCrossing | None = None
+
+
+def check_memory_limit(limit: Any) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"memory_limit must be a whole number of bytes >= 1, got {limit!r}")
+    return limit
+
+
+def check_straggler(rank: Any, seconds: Any, world: int) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                             or not 0 <= rank < world):
+        raise ValueError(f"slow_rank must be a rank of the run (0..{world - 1}) or None, "
+                         f"got {rank!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"slow_seconds must be a number of seconds >= 0, got {seconds!r}")
+
+
+@contextlib.contextmanager
+def memory_limit(limit: int) -> Iterator[LimitWatch]:
+    """Note where the memory of a block first exceeds `limit` bytes.
+
+    Use it around `shardlab.measure.track_peak`: the tracker (PyTorch's `MemTracker`)
+    updates its count of live tensors after every operation, and this watch checks that
+    count each time, naming the phase and the innermost module that were running, as
+    the traceback of a CUDA out-of-memory error would.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    watch = LimitWatch(check_memory_limit(limit))
+    update = MemTracker._update_peak_stats
+
+    def checked(tracker: Any, peak_state: Any) -> None:
+        update(tracker, peak_state)
+        if watch.crossing is not None:
+            return
+        held = sum(snap.get("Total", 0) for snap in tracker._curr_mem_snap.values())
+        if held > limit:
+            watch.crossing = LimitCrossing(limit, int(held), *_where(tracker))
+
+    MemTracker._update_peak_stats = checked
+    try:
+        yield watch
+    finally:
+        MemTracker._update_peak_stats = update
+
+
+def _where(tracker: Any) -> tuple[str, str]:
+    modules = tracker._mod_tracker.parents - {"Global"}
+    innermost = max(modules, key=lambda name: name.count("."), default="")
+    if tracker._in_opt:
+        phase = "optimizer step"
+    else:
+        phase = "backward" if tracker._mod_tracker.is_bw else "forward"
+    # MemTracker names modules from the root's class ("GPT.blocks.0"): keep the path
+    return phase, innermost.split(".", 1)[1] if "." in innermost else innermost
+
+
+# ----------------------------------------------------------------------------- recomputation
+
+
+def recompute_units(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
+    """Recompute the activations of each unit `policy` picks (the transformer blocks by
+    default; never the whole model, whose input is only token ids) in backward; return
+    the units. Their names and parameters do not change."""
+    from torch.distributed._composable import checkpoint
+
+    units = [m for m in unit_modules(model, policy) if m is not model]
+    if not units:
+        raise ValueError(f"recompute: the wrap policy {policy!r} picks no module below the "
+                         f"model itself; this model has no layers to recompute")
+    for unit in units:
+        checkpoint(unit)
+    return units
+
+
+__all__ = ["straggle", "check_straggler", "LimitCrossing", "LimitWatch", "memory_limit",
+           "check_memory_limit", "recompute_units"]
