@@ -19,6 +19,13 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
           "buffers": "buffers", "other": "other"}
 STAGE_NAMES = ["stage 0\n(DDP)", "stage 1\n(P_os)", "stage 2\n(P_os+g)", "stage 3\n(P_os+g+p)"]
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": memory.GB, "GiB": memory.GiB}
+# The book's text column is about 690 px wide at a 1280 px window. A figure drawn at DPI
+# and at most MAX_WIDTH_IN wide shows at its own size there, so text of SMALLEST_PT points
+# stays SMALLEST_PT * DPI / 72 = 11 px on the screen; a wider one is scaled down, its
+# text with it.
+DPI = 90
+MAX_WIDTH_IN = 7.5
+SMALLEST_PT = 9
 
 
 def _pyplot():
@@ -115,7 +122,8 @@ def stages_animation(psi, worlds: Sequence[int] = (1, 2, 4, 8, 16, 64),
                           f"{total:,.1f} {unit} per rank")
         return []
 
-    anim = FuncAnimation(fig, draw, frames=len(frames), interval=interval, blit=False)
+    anim = FuncAnimation(fig, draw, frames=len(frames), interval=interval,
+                                          blit=False)
     plt.close(fig)  # the HTML player shows the frames; no extra static copy
     return anim
 
@@ -133,23 +141,35 @@ def player_html(anim) -> str:
 def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
                                  categories: Sequence[str] = ("params", "grads", "optimizer")):
     """rows: dicts with "name" (a strategy), "predicted" and "measured" (dicts of bytes by
-    category). Draws a pair of stacked bars per strategy."""
+    category). Draws a pair of stacked bars per strategy, the prediction hatched on the
+    left, the strategy's name once under its pair."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(3.5 + 1.6 * len(rows), 4), dpi=90)
-    bars, labels, positions = [], [], []
+    width = min(MAX_WIDTH_IN, 1.6 + 1.2 * len(rows))
+    fig, ax = plt.subplots(figsize=(width, 3.8), dpi=DPI)
+    bars, positions = [], []
     for i, row in enumerate(rows):
-        for j, kind in enumerate(("predicted", "measured")):
-            bars.append(row[kind])
-            labels.append(f"{row['name']}\n{kind}")
-            positions.append(i * 2.6 + j)
-    stacked_bars(ax, labels, bars, unit, categories, positions=positions, width=0.8,
-                 legend=False, hatched=range(0, len(bars), 2))
-    from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=COLORS[c], label=LABELS[c]) for c in categories],
-              frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title("Per-rank bytes: predicted (hatched) and measured", fontsize=10)
+        bars += [row["predicted"], row["measured"]]
+        positions += [i - 0.2, i + 0.2]
+    stacked_bars(ax, [""] * len(bars), bars, unit, categories, positions=positions,
+                 width=0.38, legend=False, hatched=range(0, len(bars), 2))
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([row["name"] for row in rows], fontsize=10)
+    _legend_above(ax, categories)
+    ax.set_title("Per-rank bytes: predicted (hatched, left) and measured (right)",
+                 fontsize=11, pad=30)
     fig.tight_layout()
     return fig
+
+
+def _legend_above(ax, categories):
+    """The categories and the hatch, in one row between the title and the bars (a legend
+    beside the plot would take a third of a figure that must fit the column)."""
+    from matplotlib.patches import Patch
+    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in categories]
+    handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//",
+                         label="predicted (hatched)"))
+    ax.legend(handles=handles, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              ncol=len(handles), fontsize=SMALLEST_PT, handlelength=1.4, columnspacing=1.2)
 
 
 def per_rank_figure(groups: Sequence[dict], unit: str = "KB",
@@ -182,23 +202,22 @@ def per_rank_figure(groups: Sequence[dict], unit: str = "KB",
             x += 1.0
         group_centers.append(((first + x - 1.0) / 2, group["name"]))
         x += 0.6  # a gap between runs
-    fig, ax = plt.subplots(figsize=(2.0 + 0.62 * len(centers) + 0.3 * len(groups), 4.2),
-                           dpi=90)
+    # as wide as the column allows, wider only when a pair of bars would get under 27 px
+    slots = len(centers) + 0.6 * (len(groups) - 1)
+    width = max(min(MAX_WIDTH_IN, 1.4 + 0.45 * slots), 1.4 + 0.3 * slots)
+    fig, ax = plt.subplots(figsize=(width, 4.0), dpi=DPI)
     stacked_bars(ax, [""] * len(bars), bars, unit, categories, positions=positions,
                  width=0.4, legend=False, hatched=range(0, len(bars), 2))
     ax.set_xticks(centers)
-    ax.set_xticklabels(rank_labels, fontsize=8)
+    ax.set_xticklabels(rank_labels, fontsize=SMALLEST_PT)
+    ax.set_xlim(min(positions) - 0.5, max(positions) + 0.5)
     for center, name in group_centers:
         ax.annotate(name, xy=(center, 0), xycoords=("data", "axes fraction"),
-                    xytext=(0, -22), textcoords="offset points", ha="center", va="top",
-                    fontsize=9)
-    from matplotlib.patches import Patch
-    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in categories]
-    handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//",
-                         label="predicted (hatched)"))
-    ax.legend(handles=handles, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+                    xytext=(0, -18), textcoords="offset points", ha="center", va="top",
+                    fontsize=SMALLEST_PT)
+    _legend_above(ax, categories)
     ax.set_title("Per-rank bytes: predicted (hatched) beside measured, per rank and run",
-                 fontsize=10)
+                 fontsize=11, pad=30)
     fig.tight_layout()
     return fig
 
