@@ -144,7 +144,8 @@ def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
     category). Draws a pair of stacked bars per strategy, the prediction hatched on the
     left, the strategy's name once under its pair."""
     plt = _pyplot()
-    width = min(MAX_WIDTH_IN, 1.6 + 1.2 * len(rows))
+    # wide enough for the legend's one row, at most the column
+    width = min(MAX_WIDTH_IN, max(5.6, 1.6 + 1.2 * len(rows)))
     fig, ax = plt.subplots(figsize=(width, 3.8), dpi=DPI)
     bars, positions = [], []
     for i, row in enumerate(rows):
@@ -154,6 +155,8 @@ def predicted_vs_measured_figure(rows: Sequence[dict], unit: str = "KB",
                  width=0.38, legend=False, hatched=range(0, len(bars), 2))
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([row["name"] for row in rows], fontsize=10)
+    pad = max(0, 3 - len(rows)) / 2  # few rows: narrow bars in the middle, not wide ones
+    ax.set_xlim(-0.6 - pad, len(rows) - 0.4 + pad)
     _legend_above(ax, categories)
     ax.set_title("Per-rank bytes: predicted (hatched, left) and measured (right)",
                  fontsize=11, pad=30)
