@@ -273,3 +273,22 @@ def test_prediction_terms():
     with pytest.raises(ValueError, match="unknown option"):
         deepspeed_ref.predicted_state_bytes(model, 1, 2,
                                             options={"stage3_max_live_parameters": 1})
+
+
+@needs_deepspeed
+def test_estimator_is_deepspeeds_formula():
+    """`deepspeed_estimate` is DeepSpeed's own estimator: 2Ψ + 18Ψ/N at stage 2 (bf16
+    parameters; bf16 and fp32 gradients, fp32 master, Adam's two states per partitioned
+    parameter), 4L + 18Ψ/N at stage 3 (L the largest module); the chapter sets it beside
+    the planner. Its defaults come from DeepSpeed's config, not from the course's."""
+    psi, largest, gpus = 7_000_000_000, 131_072_000, 8
+    assert deepspeed_ref.deepspeed_estimate(2, psi, largest, gpus) == 2 * psi + 18 * psi // gpus
+    assert deepspeed_ref.deepspeed_estimate(3, psi, largest, gpus) == 4 * largest + 18 * psi // gpus
+    with pytest.raises(ValueError, match="stages 2 and 3"):
+        deepspeed_ref.deepspeed_estimate(1, psi, largest, gpus)
+    defaults = deepspeed_ref.zero_config_defaults()
+    assert defaults["stage3_param_persistence_threshold"] == 10**5
+    assert defaults["reduce_bucket_size"] == 5 * 10**8
+    rows = deepspeed_ref.estimates_beside_planner("gpt-small", 4)
+    assert [r["stage"] for r in rows] == [2, 3]
+    assert rows[0]["deepspeed_estimate"] == 2 * rows[0]["psi"] + 18 * rows[0]["psi"] // 4

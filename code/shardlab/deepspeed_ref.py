@@ -56,6 +56,7 @@ import importlib.util
 import logging
 import math
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -118,6 +119,26 @@ class _DropMessage(logging.Filter):
         return self.text not in record.getMessage()
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send what is written to stderr, by Python or by C code and subprocesses (file
+    descriptor 2), to /dev/null.
+
+    DeepSpeed checks once which of its C++ ops could be built here, and the check for
+    NVMe offload links a test program against libaio: on a machine without libaio the
+    linker prints "cannot find -laio" on the process's stderr, which a notebook would
+    show under the cell. Nothing the course runs depends on it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def import_deepspeed(device: torch.device):
     """Import DeepSpeed for a rank that computes on `device`, quietly, and return it.
 
@@ -147,9 +168,11 @@ def import_deepspeed(device: torch.device):
     if accelerator == "cpu":
         # On the CPU, DeepSpeed's communication backend compiles a shared-memory all-reduce
         # (a C++ extension, built by each rank at start-up) that only its inference engine
-        # calls. Training never does; marking it unavailable spares the compiler.
-        import deepspeed.ops
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # calls. Training never does; marking it unavailable spares the compiler. (Reading
+        # `__compatible_ops__` the first time probes every op, NVMe offload's with a
+        # test program linked against libaio.)
+        with _quiet_stderr():
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed 0.19 calls torch.distributed's collectives by their old names, which
     # torch >= 2.10 renamed (`all_gather_single`, `reduce_scatter_single`) and warns about
     # on every call. The course calls the new names (through `shardlab.comm`).
@@ -511,6 +534,32 @@ def side_by_side_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def deepspeed_estimate(stage: int, psi: int, largest_layer: int, gpus: int) -> int:
+    """DeepSpeed's own estimate of the model states per GPU (bytes) for ZeRO-2 or ZeRO-3
+    with mixed precision and Adam on `gpus` GPUs of one node, no offload:
+    `estimate_zero{2,3}_model_states_mem_needs`, what the `..._all_cold` functions print
+    for a model of `psi` parameters whose largest module has `largest_layer`."""
+    import_deepspeed(torch.device("cpu"))
+    with _quiet_stderr():  # these modules check for libaio when first imported
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import \
+            estimate_zero2_model_states_mem_needs
+    if stage == 2:
+        return int(estimate_zero2_model_states_mem_needs(psi, gpus, cpu_offload=False)[1])
+    if stage == 3:
+        return int(estimate_zero3_model_states_mem_needs(
+            psi, largest_layer, gpus, cpu_offload=False, cpu_offload_params=False)[1])
+    raise ValueError(f"DeepSpeed estimates stages 2 and 3, not {stage!r}")
+
+
+def zero_config_defaults() -> dict[str, Any]:
+    """DeepSpeed's defaults for its `zero_optimization` keys, by their config names."""
+    import_deepspeed(torch.device("cpu"))
+    with _quiet_stderr():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig().model_dump(by_alias=True)
+
+
 def estimates_beside_planner(model: str = "gpt-small", world: int = 4,
                              model_config: dict | None = None) -> list[dict]:
     """DeepSpeed's memory estimator beside the course's planner, for ZeRO-2 and ZeRO-3
@@ -527,29 +576,20 @@ def estimates_beside_planner(model: str = "gpt-small", world: int = 4,
 
     Runs in the calling process (nothing distributed); it imports DeepSpeed for the CPU.
     """
-    import_deepspeed(torch.device("cpu"))
-    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                               model_to_params)
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
     from shardlab import memory
 
     net = build_model(model, 0, model_config)
+    with _quiet_stderr():
+        from deepspeed.runtime.zero.stage3 import model_to_params
     psi, largest_layer = model_to_params(net)
     blocks = [m for m in net.modules() if type(m).__name__ in ("Block", "GPT2Block",
                                                                "LlamaDecoderLayer")]
     unit = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=psi)
     rows = []
     for stage in (2, 3):
-        if stage == 2:
-            _, estimate = estimate_zero2_model_states_mem_needs(
-                psi, num_gpus_per_node=world, cpu_offload=False)
-            gathered = 0
-        else:
-            _, estimate, _ = estimate_zero3_model_states_mem_needs(
-                psi, largest_layer, num_gpus_per_node=world, cpu_offload=False,
-                cpu_offload_params=False)
-            gathered = memory.gathered_unit_bytes(unit, "bf16-mixed", prefetch=True)
+        estimate = deepspeed_estimate(stage, psi, largest_layer, world)
+        gathered = (memory.gathered_unit_bytes(unit, "bf16-mixed", prefetch=True)
+                    if stage == 3 else 0)
         paper = memory.model_states(psi, world, stage, "bf16-mixed", "adamw")
         rules = predicted_state_bytes(net, stage, world, "bf16-mixed")
         rows.append({"stage": stage, "world": world, "psi": psi,
