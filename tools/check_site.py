@@ -24,6 +24,7 @@ SKIP = {"genindex.html", "search.html"}
 INSPECT = r"""
 const done = arguments[arguments.length - 1];
 const report = () => {
+  if (!document.body) { setTimeout(report, 100); return; }  // still being parsed
   const body = document.body.cloneNode(true);
   body.querySelectorAll("pre, code, script, style, mjx-container, .highlight, textarea")
       .forEach(e => e.remove());
@@ -69,8 +70,16 @@ def browser():
 
 
 def check_page(driver, page: Path, repo: Path = ROOT) -> list[str]:
-    driver.get(page.resolve().as_uri())
-    found = driver.execute_async_script(INSPECT)
+    from selenium.common.exceptions import JavascriptException
+
+    for attempt in range(2):  # a page caught mid-load on a busy machine gets a second look
+        driver.get(page.resolve().as_uri())
+        try:
+            found = driver.execute_async_script(INSPECT)
+            break
+        except JavascriptException:
+            if attempt:
+                raise
     problems = []
     for entry in driver.get_log("browser"):
         if entry["level"] == "SEVERE":
