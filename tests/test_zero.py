@@ -9,9 +9,12 @@ Tolerances. fp32: the distributed gradient is the same sum as the single-process
 another order (a mean per rank, then a sum over ranks, then / N), so it differs by a few
 float32 ulps; Adam divides by sqrt(v), which passes that relative error on to every
 update. PyTorch's own ZeroRedundancyOptimizer + DDP (`torch-zero1`) lands at the same
-distance from the reference, so we ask for: losses within 1e-5, parameters within 1e-4
-(a tenth of one Adam step at lr 1e-3, after 10 steps), and no further than 4x PyTorch's
-own distance. SGD cases catch what Adam would hide (Adam is invariant to a gradient
+distance from the reference, so we ask for: losses within 1e-5, parameters within 2e-4
+(a fifth of one Adam step at lr 1e-3, after 10 steps), and no further than 4x PyTorch's
+own distance. The absolute bound is twice the other suites' 1e-4 because on 3 ranks
+PyTorch's own ZeroRedundancyOptimizer lands at 1.02e-4 from the reference (ours at 1.01e-4):
+an element whose gradient is near zero turns Adam's m/sqrt(v) into a ratio of round-offs.
+SGD cases catch what Adam would hide (Adam is invariant to a gradient
 scaled by N, SGD is not). bf16-mixed is compared with a bf16-mixed single process:
 parameters within 2 bf16 ulps of the largest parameter (2 * 2**-7 * max|p|), losses
 within one bf16 ulp of the loss (2**-8 relative).
@@ -32,7 +35,7 @@ from shardlab.zero import schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout
 STEP_COUNTER_BYTES = 4  # Adam's `step`: a 0-dim fp32 tensor per stepped tensor
-FP32_LOSS_TOL, FP32_PARAM_TOL = 1e-5, 1e-4
+FP32_LOSS_TOL, FP32_PARAM_TOL = 1e-5, 2e-4
 
 
 
