@@ -10,37 +10,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 import torch.distributed as dist
 
-from shardlab.models import build_model, get_batch, loss_fn
-from shardlab.precision import MasterWeightOptimizer, get_precision
-from shardlab.strategy import cast_model, get_strategy, optimizer_spec
+from shardlab.models import build_model
+from shardlab.precision import get_precision
+from shardlab.strategy import get_strategy, optimizer_spec
 from shardlab.train import TrainConfig, train_worker
-
-
-def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """`config` trained by one process on the whole global batch: losses, parameters."""
-    torch.manual_seed(config.seed)
-    precision = get_precision(config.precision)
-    model = cast_model(build_model(config.model, config.seed, config.model_config), precision)
-    spec = optimizer_spec(config.optimizer, config.lr)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
-                 if precision.master_weights else spec.build(params))
-    losses = []
-    for step in range(config.steps):
-        total = 0.0
-        for micro in range(config.grad_accum):
-            x, y = get_batch(step, 0, 1, config.batch_size, config.seq_len, config.seed,
-                             micro, config.grad_accum)
-            loss = loss_fn(model(x), y) / config.grad_accum
-            loss.backward()
-            total += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+from zero_workers import reference
 
 
 def parity_cases(cases: list[TrainConfig]) -> list[dict]:

@@ -31,7 +31,7 @@ def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]
     """`config` trained by one process on the whole global batch: losses, parameters."""
     torch.manual_seed(config.seed)
     precision = get_precision(config.precision)
-    model = cast_model(build_model(config.model, config.seed), precision)
+    model = cast_model(build_model(config.model, config.seed, config.model_config), precision)
     spec = optimizer_spec(config.optimizer, config.lr)
     groups = config.options.get("param_groups")
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
