@@ -164,6 +164,9 @@ def error_cases(cases: list[str]) -> dict[str, str]:
             elif name == "fsdp-child-after-parent":
                 fully_shard(model)
                 fully_shard(model.blocks[0])
+            elif name == "fsdp-tied-weight-split-across-units":
+                fully_shard(model.tok_emb)  # the head uses the same weight, from the root
+                fully_shard(model)
             elif name == "fsdp-differs-across-ranks":
                 fully_shard(build_model("gpt-tiny", seed=dist.get_rank()).blocks[1])
             else:

@@ -39,7 +39,8 @@ TOYS = [dict(strategy="fsdp2", model="toy-frozen"), dict(strategy="fsdp2", model
         dict(strategy="fsdp2", model="toy-buffers")]
 SIZES = [dict(strategy="fsdp2"), dict(strategy="fsdp2", options={"reshard_after_forward": False}),
          dict(strategy="fsdp2", precision="bf16-mixed")]
-ERRORS = ["fsdp-twice", "fsdp-child-after-parent", "fsdp-differs-across-ranks"]
+ERRORS = ["fsdp-twice", "fsdp-child-after-parent", "fsdp-tied-weight-split-across-units",
+          "fsdp-differs-across-ranks"]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,10 @@ def test_fully_shard_refuses_misuse(results):
     assert "already applied" in errors["fsdp-twice"]
     assert "bottom-up" in errors["fsdp-child-after-parent"]
     assert "differs across ranks" in errors["fsdp-differs-across-ranks"]
+    # sharding the tied weight again from the root would untie embedding and head
+    assert "'lm_head.weight'" in errors["fsdp-tied-weight-split-across-units"]
+    assert "fully_shard(Embedding), which already sharded it" in \
+        errors["fsdp-tied-weight-split-across-units"]
 
 
 def test_fsdp2_refuses_unknown_options():

@@ -83,3 +83,21 @@ def test_blocks_needs_blocks():
 
 def test_the_course_gpt_is_a_gpt():
     assert isinstance(build_model("gpt-small"), GPT)
+
+
+def test_min_params_passes_over_containers_that_are_never_called():
+    """Two blocks together pass 60,000 parameters but one does not: the ModuleList that
+    holds them is never called (its members are), so no hook could gather it; as in
+    PyTorch's size-based policy the parameters go up to the model."""
+    model = build_model("gpt-tiny")
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    units = unit_modules(model, f"min-params:{per_block + 1}")
+    assert units == [model]
+    assert not any(isinstance(u, (nn.ModuleList, nn.ModuleDict)) for u in units)
+
+
+@pytest.mark.parametrize("policy", ["class:ModuleList", nn.ModuleList,
+                                    lambda m: isinstance(m, nn.ModuleList)])
+def test_a_policy_that_picks_a_container_is_refused(policy):
+    with pytest.raises(ValueError, match=r"picks containers \(ModuleList\).*pick the layers"):
+        unit_modules(build_model("gpt-tiny"), policy)

@@ -121,6 +121,11 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     slots = []
     for slot in collect_slots(module).values():
         owner = getattr(slot.param, "_sharded_by", None)
+        taken_by = getattr(slot.param, "_taken_by", None)
+        if taken_by is not None:
+            # The original of a parameter another unit sharded: this module uses it too
+            # (a weight shared or tied across units). Sharding it again would untie it.
+            raise ValueError(_shared_error(module, slot.name, taken_by))
         if owner is None:
             slots.append(slot)
         elif _is_ancestor(owner.module, module):
@@ -138,6 +143,8 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     unit.cast_inputs = mp_policy.cast_forward_inputs
     for p in unit.sharded_params:
         p._sharded_by = unit
+    for slot in slots:
+        slot.param._taken_by = module
     module.__dict__["_sharded_units"] = [unit]
     unit.install_hooks()
     cls = type(module)
@@ -148,6 +155,14 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
 
 def _is_ancestor(parent: nn.Module, child: nn.Module) -> bool:
     return parent is not child and any(m is child for m in parent.modules())
+
+
+def _shared_error(module: nn.Module, name: str, taken_by: nn.Module) -> str:
+    taken_class = next(c for c in type(taken_by).__mro__ if not issubclass(c, FSDPModule))
+    return (f"parameter {name!r} of this {type(module).__name__} is shared with "
+            f"fully_shard({taken_class.__name__}), which already sharded it: a shared or "
+            f"tied weight must belong to one unit. Shard a module that contains every user "
+            f"of it (their common parent) instead of one of them alone")
 
 
 def _order_error(child: nn.Module, parent: nn.Module) -> str:

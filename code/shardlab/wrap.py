@@ -51,16 +51,25 @@ def _classes_named(model: nn.Module, names: Iterable[str]) -> tuple[type[nn.Modu
     return tuple(found[n] for n in wanted)
 
 
+def runs_forward(module: nn.Module) -> bool:
+    """Whether calling the module is a thing: a container (`nn.ModuleList`, `nn.ModuleDict`)
+    has no forward of its own, so the hooks that gather a unit before its forward and
+    free it after would never run on it."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _min_params_units(model: nn.Module, min_params: int) -> list[nn.Module]:
     """Bottom up, as `size_based_auto_wrap_policy`: a module becomes a unit when the
-    parameters it holds outside the units already chosen inside it reach `min_params`."""
+    parameters it holds outside the units already chosen inside it reach `min_params`.
+    Containers are passed over (as PyTorch's policy excludes them): their parameters go
+    to the module that calls their members."""
     chosen: list[nn.Module] = []
     claimed: set[int] = set()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             visit(child)
-        if module is model:
+        if module is model or not runs_forward(module):
             return
         left = {id(p): p.numel() for p in module.parameters() if id(p) not in claimed}
         if sum(left.values()) >= min_params:
@@ -122,7 +131,15 @@ def chosen_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
 
 def unit_modules(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
     """The unit modules for `policy`: children before their parents, the model last."""
-    chosen = {id(m) for m in chosen_modules(model, policy)}
+    picked = chosen_modules(model, policy)
+    containers = sorted({type(m).__name__ for m in picked
+                         if m is not model and not runs_forward(m)})
+    if containers:
+        raise ValueError(f"wrap policy {policy!r} picks containers ({', '.join(containers)}) "
+                         f"that are never called, so they cannot be gathered before a "
+                         f"forward: pick the layers inside them instead (for example "
+                         f"'class:' with the layers' class)")
+    chosen = {id(m) for m in picked}
     ordered: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:  # post-order: a unit after the units inside it
