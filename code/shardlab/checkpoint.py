@@ -195,12 +195,13 @@ def _hyperparameters(optimizer: torch.optim.Optimizer, names: list[str]) -> dict
 
 def state_dict(wrapped, for_load: bool = False) -> dict[str, object]:
     """{key: tensor, ShardedTensor or value}: views of the live state, no copies."""
+    pieces = _pieces(wrapped)  # refuse an undeclared layout before changing anything
     optimizer = inner_optimizer(wrapped.optimizer)
     ensure_optimizer_state(optimizer)
     sharded = dist.is_initialized() and dist.get_world_size() > 1
     state: dict[str, object] = {}
     trainable = []
-    for piece in _pieces(wrapped):
+    for piece in pieces:
         names = (piece.name, *piece.aliases)
         if not piece.writer:  # another rank writes it (and holds its optimizer state)
             if for_load:

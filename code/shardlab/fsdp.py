@@ -30,10 +30,9 @@ from torch import nn
 
 from shardlab.launch import rank_device
 from shardlab.precision import Precision
-from shardlab.sharded import (PerParamUnit, ShardedModel, ShardedState,
-                              check_same_on_all_ranks, collect_slots)
-from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, check_options, owned_ranges,
-                               state_of, tied_names)
+from shardlab.sharded import PerParamUnit, ShardedModel, ShardedState, collect_slots
+from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, check_options,
+                               check_same_on_all_ranks, owned_ranges, state_of, tied_names)
 from shardlab.wrap import unit_modules
 
 

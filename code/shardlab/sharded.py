@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm import all_gather_into, reduce_scatter_into
-from shardlab.launch import rank_device
 from shardlab.precision import Precision
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, build_optimizer, cast_model,
-                               check_options, inner_optimizer, owned_ranges, state_of)
+                               check_options, check_same_on_all_ranks, inner_optimizer,
+                               owned_ranges, state_of)
 from shardlab.wrap import unit_modules
 
 
@@ -120,36 +120,6 @@ def set_param(module: nn.Module, attr: str, value: nn.Parameter) -> None:
     # Swap the tensor a module computes with, without nn.Module.__setattr__'s checks: this
     # runs twice per unit per phase, and the registration itself is unchanged.
     module._parameters[attr] = value
-
-
-def fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two numbers per tensor that differ when the tensors differ across ranks."""
-    rows = [torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
-            for t in tensors]
-    return torch.stack(rows).flatten() if rows else torch.zeros(0, dtype=torch.float64,
-                                                                device=device)
-
-
-def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
-                            what: str = "the model") -> None:
-    """Refuse to shard a model whose parameters differ across ranks.
-
-    Sharding keeps rank r's piece only, so a model built differently on each rank would
-    silently train a patchwork of N models. One all-reduce of MAX and one of MIN of a
-    fingerprint per parameter find it; every rank sees the same result and raises together.
-    """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    fp = fingerprint([t for _, t in named], rank_device())
-    hi, lo = fp.clone(), fp.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    differ = (hi - lo).abs() > 1e-9 * (1 + hi.abs())
-    if bool(differ.any()):
-        bad = sorted({named[i // 2][0] for i in differ.nonzero().flatten().tolist()})
-        raise ValueError(f"{what} differs across ranks (parameters {bad[:5]}"
-                         f"{' ...' if len(bad) > 5 else ''}): build it identically on every "
-                         f"rank (same seed) before sharding it, or broadcast rank 0's copy")
 
 
 class RegisterPostBackward(torch.autograd.Function):

@@ -30,8 +30,10 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardlab.launch import rank_device
 from shardlab.measure import local_tensor
 from shardlab.precision import MasterWeightOptimizer, Precision
 
@@ -167,7 +169,22 @@ def tied_names(module: nn.Module) -> dict[int, list[str]]:
 
 
 def replicated_pieces(module: nn.Module, optimizer) -> list[Piece]:
-    """The pieces of a strategy that keeps every parameter whole on every rank."""
+    """The pieces of a strategy that keeps every parameter whole on every rank.
+
+    Checked, not assumed: a module whose parameters are shards (PyTorch's DTensors, or the
+    dim-0 chunks of the course's `fully_shard`) would be written as if each rank's chunk
+    were the whole parameter, and a resume would load wrong weights without a word."""
+    named = list(module.named_parameters())
+    dtensors = [name for name, p in named if type(p.data).__name__ == "DTensor"
+                or type(p).__name__ == "DTensor"]
+    if dtensors:
+        raise ValueError(f"parameters {dtensors[:3]} are DTensors (PyTorch's fully_shard): "
+                         f"not whole on every rank. Declare the layout with "
+                         f"pieces=lambda: shardlab.fsdp.dtensor_pieces(model, optimizer)")
+    check_same_on_all_ranks(named, what="a model checkpointed as whole on every rank", fix=(
+        "its parameters are shards, not copies: declare the layout of the strategy that "
+        "sharded it (shardlab.strategy.get_strategy(name) declares it; for the course's "
+        "fully_shard, pieces=lambda: shardlab.fsdp.model_state(model).pieces(optimizer))"))
     masters = {id(p): m for p, m in getattr(optimizer, "pairs", [])}
     inner = inner_optimizer(optimizer)
     names = tied_names(module)
@@ -216,10 +233,12 @@ class Wrapped:
     # The user's module inside any wrapper (DistributedDataParallel's `.module`): where
     # the parameters' names and the buffers are read.
     module: nn.Module | None = None
-    checkpoint_refusal: str = ("this Wrapped declares no checkpoint layout (`pieces`): "
-                               "build it with shardlab.strategy.get_strategy(name), or "
-                               "pass pieces=lambda: replicated_pieces(model, optimizer) "
-                               "for a model every rank holds whole")
+    checkpoint_refusal: str = (
+        "this Wrapped declares no checkpoint layout (`pieces`): build it with "
+        "shardlab.strategy.get_strategy(name), or pass pieces=lambda: ... with "
+        "replicated_pieces(model, optimizer) for a model every rank holds whole, "
+        "shardlab.fsdp.model_state(model).pieces(optimizer) for one sharded by the course's "
+        "fully_shard, shardlab.fsdp.dtensor_pieces(model, optimizer) for PyTorch's")
 
     def __post_init__(self):
         if self.module is None:
@@ -251,6 +270,52 @@ def check_options(strategy: str, options: dict, accepted: dict[str, Any]) -> dic
         raise ValueError(f"strategy {strategy!r} got unknown option(s) {unknown}; it accepts "
                          f"{sorted(accepted) if accepted else 'no options'}")
     return {**accepted, **options}
+
+
+def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
+                            what: str = "the model", fix: str | None = None) -> None:
+    """Refuse, on every rank together, tensors that differ across ranks.
+
+    A model built differently on each rank and then sharded would silently train a
+    patchwork of N models (each rank keeps its own piece only), and a model declared
+    replicated whose parameters are shards would be checkpointed as wrong whole tensors.
+    The ranks compare a signature instead of the tensors: the count, every shape, and
+    the sum and sum of squares of every tensor, by an all-reduce of MAX and one of MIN
+    (first of the signature's length, so that ranks with different models never meet in
+    collectives of different sizes)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    device = rank_device()
+    with torch.no_grad():
+        rows = [[float(t.dim()), *map(float, t.shape), t.detach().double().sum().item(),
+                 t.detach().double().square().sum().item()] for _, t in named]
+    signature = torch.tensor([float(len(named))] + [x for row in rows for x in row],
+                             dtype=torch.float64, device=device)
+
+    def agree(t: torch.Tensor) -> torch.Tensor:
+        hi, lo = t.clone(), t.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        return (hi - lo).abs() <= 1e-9 * (1 + hi.abs())
+
+    length = torch.tensor([float(signature.numel())], dtype=torch.float64, device=device)
+    bad: list[str] = []
+    if not bool(agree(length).all()):
+        bad = ["(their number or shapes)"]
+    else:
+        same = agree(signature)
+        if not bool(same.all()):
+            starts = [1]
+            for row in rows:
+                starts.append(starts[-1] + len(row))
+            bad = [name for (name, _), a, z in zip(named, starts, starts[1:])
+                   if not bool(same[a:z].all())]
+    if bad:
+        raise ValueError(f"{what} differs across ranks (parameters {bad[:5]}"
+                         f"{' ...' if len(bad) > 5 else ''}): " + (fix or (
+                             "build it identically on every rank (the same seed, e.g. "
+                             "shardlab.models.build_model(name, seed)) before sharding it, "
+                             "or broadcast rank 0's copy")))
 
 
 def cast_model(model: nn.Module, precision: Precision) -> nn.Module:

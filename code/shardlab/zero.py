@@ -71,7 +71,7 @@ from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import (InnerOptimizerFace, MasterWeightOptimizer, Precision,
                                 get_precision)
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_options,
-                               get_strategy, named_full_parameters, optimizer_spec,
+                               check_same_on_all_ranks, get_strategy, named_full_parameters, optimizer_spec,
                                owned_ranges, state_of, tied_names)
 
 MB = 1 << 20
@@ -608,37 +608,6 @@ class ZeroOptimizer(InnerOptimizerFace):
 # --------------------------------------------------------------------------- checks
 
 
-def check_same_model_on_all_ranks(model: nn.Module, process_group=None) -> None:
-    """Refuse, on every rank, a model whose parameters differ across ranks.
-
-    ZeRO-1/2 never broadcast the parameters: each rank steps its chunks and all-gathers
-    them, so ranks that started from different weights would silently train a patchwork
-    of different models. A small signature (counts, shapes, sums) is compared instead of
-    the weights themselves."""
-    params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
-    with torch.no_grad():
-        signature = torch.tensor(
-            [float(len(params))] + [float(d) for p in params for d in (p.dim(), *p.shape)]
-            + [float(p.detach().double().sum()) for p in params]
-            + [float(p.detach().double().square().sum()) for p in params],
-            dtype=torch.float64, device=device)
-    length = torch.tensor([float(signature.numel())], dtype=torch.float64, device=device)
-    low, high = length.clone(), length.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=process_group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=process_group)
-    same = torch.equal(low, high)
-    if same:
-        low, high = signature.clone(), signature.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=process_group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=process_group)
-        same = torch.equal(low, high)
-    if not same:
-        raise ValueError("the model differs across ranks (parameter shapes or values); build "
-                         "it identically on every rank, e.g. with "
-                         "shardlab.models.build_model(name, seed) and the same seed")
-
-
 # --------------------------------------------------------------------------- strategies
 
 
@@ -658,7 +627,7 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     if opts["param_groups"] is not None and not callable(opts["param_groups"]):
         raise ValueError(f"param_groups must be None or a function model -> list of "
                          f"parameter groups, got {type(opts['param_groups']).__name__}")
-    check_same_model_on_all_ranks(model)
+    check_same_on_all_ranks(list(model.named_parameters()))
     model = cast_model(model, precision)
     params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
     zero = ZeroOptimizer(params, optimizer.cls, stage=stage,
