@@ -5,7 +5,8 @@ buffers), each also with its token embedding frozen, built from `transformers` c
 (random weights, nothing downloaded). The sharded strategies wrap them per layer by class,
 as PyTorch users do (`"class:GPT2Block"`, `"class:LlamaDecoderLayer"`).
 
-One launch per world size (2, 3 and 4 ranks) runs every strategy on every model. Checked
+One launch per world size (2, 3 and 4 ranks) runs every strategy on every model (DeepSpeed's
+three stages too, where it is installed). Checked
 against one process on the whole batch, and against the layout each strategy promises:
 
 * parity: the losses and the parameters after 3 steps, within the fp32 bound of the
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from shardlab import memory
+from shardlab.deepspeed_ref import deepspeed_missing, predicted_for
 from shardlab.launch import launch
 from shardlab.models import build_model
 from shardlab.train import TrainConfig, train_many, train_worker
@@ -39,6 +41,11 @@ MODELS = {"hf-gpt2": "class:GPT2Block", "hf-gpt2-frozen-emb": "class:GPT2Block",
           "hf-llama-frozen-emb": "class:LlamaDecoderLayer"}
 STRATEGIES = ["ddp", "ddp-naive", "torch-ddp", "zero1", "zero2", "torch-zero1", "zero3",
               "fsdp2", "torch-fsdp2"]
+# DeepSpeed's stages where DeepSpeed is installed (its tests say how, where it is not):
+# the same parity, and the bytes its own rules give (an fp32 master copy, small
+# parameters kept whole at stage 3), as `shardlab.deepspeed_ref` predicts them.
+if deepspeed_missing() is None:
+    STRATEGIES += ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 SHARDED = ("zero3", "fsdp2", "torch-fsdp2")
 WORLDS = [2, 3, 4]
 STEPS, BATCH, SEQ = 3, 12, 16  # 12 rows split evenly on 1, 2, 3 and 4 ranks
@@ -127,6 +134,8 @@ def expected_state_bytes(model_name: str, strategy: str, world: int,
                          rank: int) -> dict[str, int]:
     """What a rank of `strategy` holds: the formula's per-parameter bytes (fp32 AdamW:
     4, 4, 8) over the elements the layout gives that rank, plus step counters."""
+    if strategy.startswith("deepspeed-"):
+        return predicted_for(model_name, int(strategy[-1]), world)
     model = build_model(model_name)
     per = memory.bytes_per_param("fp32", "adamw")
     trainable, frozen = tensors(model)
