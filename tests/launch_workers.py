@@ -69,3 +69,7 @@ class Scaled:
 
     def __call__(self, offset: int = 0) -> int:
         return dist.get_rank() * self.factor + offset
+
+    def plus(self, offset: int) -> int:
+        """A bound method: it travels as the object and the method's name."""
+        return dist.get_rank() * self.factor + offset

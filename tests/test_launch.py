@@ -270,6 +270,39 @@ def test_killing_the_launching_process_leaves_nothing(tmp_path, moment):
     assert not any(p.exists() for p in run_dirs)
 
 
+SLOW_START = """
+import os, sys, time
+from launch_workers import rank_times_ten
+from shardlab.launch import launch
+if __name__ == "__mp_main__":  # a rank importing the script: start-up takes a minute
+    open(os.path.join(sys.argv[1], f"starting{os.getpid()}"), "w").close()
+    time.sleep(60)
+if __name__ == "__main__":
+    launch(rank_times_ten, 2, timeout=120)
+"""
+
+
+def test_ranks_still_starting_end_at_once_with_the_launching_process(tmp_path):
+    """kill -9 of the launching script while its ranks are still starting up (importing
+    torch and the script take seconds, far more on a busy machine): they end at once, not
+    when they would have reached their own watchdog."""
+    token = f"shardlab-test-{uuid.uuid4().hex}"
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_START)
+    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
+                              stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("starting*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(tmp_path.glob("starting*"))) == 2
+    parent.kill()
+    parent.wait()
+    assert gone_within(token, 3), f"left behind: {processes_with(token)}"
+
+
 def test_a_rank_that_fails_leaves_no_child_behind(tmp_path):
     with pytest.raises(RankFailed, match="started a child, then failed"):
         launch(w.start_a_child_then, 2, "raise", str(tmp_path), timeout=120)
@@ -286,6 +319,11 @@ def test_a_rank_that_fails_leaves_no_child_behind(tmp_path):
 def test_partials_and_callable_objects_run():
     assert launch(functools.partial(w.Scaled(10), offset=1), 2) == [1, 11]
     assert launch(w.Scaled(3), 2) == [0, 3]
+
+
+def test_bound_methods_run():
+    assert launch(w.Scaled(10).plus, 2, 5) == [5, 15]
+    assert launch(functools.partial(w.Scaled(3).plus, 1), 2) == [1, 4]
 
 
 @pytest.mark.parametrize("threads", [0, -1, 1.5, True])

@@ -16,7 +16,9 @@ What `launch` promises, because a stuck or half-dead job is the worst thing a la
 * a rank that raises ends the launch: the other ranks are stopped and the caller gets one
   `RankFailed` that names the rank and carries its traceback;
 * a rank that hangs is stopped by the timeout, which names the ranks still running;
-* Ctrl-C stops every rank; a rank whose parent dies is killed by the kernel (PDEATHSIG);
+* Ctrl-C stops every rank; if the launching process is killed (even by SIGKILL), a
+  small reaper process it started first kills the ranks at once, and each rank's own
+  watchdog ends it too once it is running;
 * whatever happens, no process of the launch outlives the call;
 * what the ranks print is shown after they finish, grouped by rank, in rank order, so a
   notebook's stored output is the same on every run.
@@ -36,6 +38,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -145,12 +148,15 @@ def resolve_backend(backend: str, world: int, device: str = "auto") -> str:
 
 def check_importable(fn: Callable) -> None:
     """Refuse a function that a spawned child could not import, before starting any.
-    A `functools.partial` is checked through the function it wraps; a callable object
-    must be picklable (its class importable), which `launch` checks next."""
+    A `functools.partial` is checked through the function it wraps, a bound method through
+    its function; a callable object must be picklable (its class importable), which
+    `launch` checks next."""
     if not callable(fn):
         raise LaunchError(f"launch needs a function, got a {type(fn).__name__}")
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    while isinstance(fn, (functools.partial, types.MethodType)):
+        # a bound method travels as its object and its name: its function is what the
+        # child imports (the object is checked by pickling, next)
+        fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
     if not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
         fn = type(fn)  # a callable object: its class is what the child imports
     module_name = getattr(fn, "__module__", None)
@@ -379,6 +385,56 @@ def _stop(ranks: list[_Rank]) -> None:
             os.killpg(r.process.pid, signal.SIGKILL)
 
 
+# The reaper: a process without torch (it starts in milliseconds), started before any rank,
+# that holds the read end of a pipe from the launching process. It learns each rank's pid
+# as the rank starts; if the pipe ends without "done" (the launching process was killed,
+# even by SIGKILL), it kills every rank and the process group each rank leads. A rank's
+# own watchdog (`_die_with_parent`) only starts once the rank has imported torch and the
+# launching script, seconds later on a busy machine: the reaper covers those seconds.
+_REAPER = """
+import os, signal, sys
+pids = []
+for line in sys.stdin.buffer:
+    if line.strip() == b"done":
+        sys.exit(0)
+    pids.append(int(line))
+for pid in pids:
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def _start_reaper() -> subprocess.Popen | None:
+    try:  # its own session: a Ctrl-C meant for the launch does not reach it
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER],
+                                stdin=subprocess.PIPE, bufsize=0, start_new_session=True)
+    except OSError:
+        return None  # the ranks' watchdogs still end them
+
+
+def _tell_reaper(reaper: subprocess.Popen | None, line: str) -> None:
+    if reaper is None:
+        return
+    with contextlib.suppress(OSError):  # a reaper that is gone has nothing left to do
+        reaper.stdin.write(line.encode() + b"\n")
+
+
+def _dismiss_reaper(reaper: subprocess.Popen | None) -> None:
+    if reaper is None:
+        return
+    _tell_reaper(reaper, "done")
+    with contextlib.suppress(OSError):
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -468,19 +524,23 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
                           datetime.timedelta(seconds=timeout), wait_for_workers=False)
     ranks: list[_Rank] = []
+    reaper = None
     with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
         run_dir = Path(tmp)
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:
+            reaper = _start_reaper()
             for rank in range(world):
                 p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                 args=(rank, world, store.port, fn, args, kwargs, tmp,
                                       threads, timeout, os.getpid(), where), daemon=True)
                 p.start()
+                _tell_reaper(reaper, str(p.pid))
                 ranks.append(_Rank(rank, p))
             _wait_all(ranks, run_dir, timeout)
         finally:
             _stop(ranks)
+            _dismiss_reaper(reaper)
             _print_outputs(run_dir, world, prefix)
             del store
         return [pickle.loads((run_dir / f"rank{r}.result").read_bytes()) for r in range(world)]

@@ -13,7 +13,8 @@ before `shardlab.checkpoint` hands a folder to DCP:
 * `SafeReader` is DCP's `FileSystemReader` whose metadata is read by `safe_load_metadata`,
   an unpickler that admits only the classes DCP's metadata is made of, so a crafted
   `.metadata` cannot run code. DCP reads tensors with `torch.load(weights_only=True)`
-  already; the checkpoint asks for tensors only, never for pickled objects.
+  already; the checkpoint asks for tensors only, and `SafeReader` refuses to read an
+  entry as pickled bytes (DCP would unpickle it with `weights_only=False`).
 """
 
 from __future__ import annotations
@@ -147,7 +148,24 @@ def safe_load_metadata(path: Path):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's reader, with its metadata read by `safe_load_metadata`."""
+    """DCP's reader, with its metadata read by `safe_load_metadata`, that reads tensors
+    only: DCP unpickles an entry the metadata declares as bytes with
+    `torch.load(weights_only=False)`, which runs any code the bytes name. A crafted
+    `.metadata` (made of DCP's own classes, so the safe unpickler admits it) can declare
+    any key so and point it at a payload in a shard file; such a read is refused."""
+
+    def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                where = getattr(getattr(self, "storage_data", {}).get(item.storage_index),
+                                "relative_path", "a shard file")
+                raise CheckpointError(
+                    f"checkpoint {self.path}: file {METADATA} declares "
+                    f"{item.storage_index.fqn!r} as pickled bytes (in {where}), where a "
+                    f"tensor belongs; a checkpoint is read as tensors only, so it was "
+                    f"not unpickled")
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
