@@ -27,8 +27,10 @@ from shardlab.launch import launch
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.train import TrainConfig, train_many, train_worker
 
-STRATEGIES = ["zero1", "zero2", "zero3", "fsdp2", "torch-fsdp2"]
-MASTER_WEIGHTS = ["zero1", "zero3"]  # bf16-mixed: fp32 masters apart from the parameters
+STRATEGIES = ["zero1", "zero2", "torch-zero1", "zero3", "fsdp2", "torch-fsdp2"]
+# bf16-mixed: fp32 masters apart from the parameters (torch-zero1: only on the rank that
+# steps the parameter, which alone writes it)
+MASTER_WEIGHTS = ["zero1", "torch-zero1", "zero3"]
 K = 3  # steps before the save; the whole run is 2K
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
 

@@ -72,6 +72,54 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(saved, capsys)
     assert resumed.first_step == 2
 
 
+@pytest.mark.parametrize("damage", ["metadata-deleted", "marker-deleted", "marker-garbage"])
+def test_a_checkpoint_missing_a_file_or_with_a_damaged_marker_is_skipped_by_name(saved,
+                                                                                  damage,
+                                                                                  capsys):
+    """Not passed over in silence, not an error that stops the resume: the newest
+    checkpoint is skipped, saying which file, and the one before it is taken."""
+    root, config = saved
+    folder = newest(root)
+    if damage == "metadata-deleted":
+        (folder / ".metadata").unlink()
+        expected = "file .metadata is missing"
+    elif damage == "marker-deleted":
+        (folder / checkpoint.MARKER).unlink()
+        expected = f"file {checkpoint.MARKER} is missing"
+    else:
+        (folder / checkpoint.MARKER).write_text("{not json")
+        expected = f"its {checkpoint.MARKER} marker cannot be read"
+    assert checkpoint.latest(root) == checkpoint.step_folder(root, 2)
+    said = capsys.readouterr().out
+    assert "skipping checkpoint step-000003" in said and expected in said
+    assert train_worker(replace(config, save_every=0, resume=True, steps=4)).first_step == 2
+
+
+def test_a_shard_that_verifies_but_does_not_read_gets_one_error_naming_it(saved):
+    """A truncated shard whose manifest was rewritten to match passes verification; PyTorch's
+    reader then fails with its own CheckpointException (a BaseException), which becomes
+    one error naming the checkpoint."""
+    from shardlab.manifest import describe, write_manifest
+    root, _ = saved
+    folder = newest(root)
+    path = shard(folder)
+    path.write_bytes(path.read_bytes()[:-100])
+    write_manifest(folder, describe(sorted(p for p in folder.iterdir()
+                                           if p.name.endswith(".distcp")
+                                           or p.name == ".metadata")))
+    with pytest.raises(CheckpointError, match=f"checkpoint {folder} could not be read: "):
+        checkpoint.load(folder, checkpoint_wrapped())
+
+
+def checkpoint_wrapped():
+    """A single-process model and optimizer to load into."""
+    from shardlab.models import build_model
+    from shardlab.precision import get_precision
+    from shardlab.strategy import get_strategy, optimizer_spec
+    return get_strategy("single")(build_model("gpt-tiny"), get_precision("fp32"),
+                                  optimizer_spec("adamw", 1e-3), {})
+
+
 @pytest.mark.parametrize("damage", ["emptied", "deleted", "metadata-garbage",
                                     "metadata-truncated", "manifest-garbage"])
 def test_damaged_files_get_one_clear_error(saved, damage):
@@ -124,6 +172,37 @@ def test_a_malicious_metadata_file_runs_no_code(saved, tmp_path_factory):
         with pytest.raises(CheckpointError, match="posix.system is not part of|"
                                                   "os.system is not part of"):
             checkpoint.load(folder, object(), trusted=trusted)
+    assert not witness.exists()
+
+
+def test_metadata_that_points_a_tensor_at_pickled_bytes_runs_no_code(saved,
+                                                                    tmp_path_factory):
+    """A `.metadata` made only of DCP's own classes (so the safe unpickler admits it) can
+    still declare an entry as bytes and point it at a pickle appended to a shard: DCP
+    would unpickle those bytes with weights_only=False. The read is refused instead."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from shardlab.manifest import describe, safe_load_metadata, write_manifest
+    root, config = saved
+    folder = newest(root)
+    witness = tmp_path_factory.mktemp("witness") / "code-ran"
+    payload = pickle.dumps(_Exploit(witness))
+    target = shard(folder)
+    offset = target.stat().st_size
+    target.write_bytes(target.read_bytes() + payload)
+    metadata = safe_load_metadata(folder / ".metadata")
+    metadata.state_dict_metadata["progress.step"] = BytesStorageMetadata()
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items()
+                             if k.fqn != "progress.step"}
+    metadata.storage_data[MetadataIndex("progress.step")] = _StorageInfo(target.name, offset,
+                                                                         len(payload))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_manifest(folder, describe(sorted(p for p in folder.iterdir()
+                                           if p.name.endswith(".distcp")
+                                           or p.name == ".metadata")))
+    with pytest.raises(BaseException, match="declares 'progress.step' as pickled bytes"):
+        train_worker(replace(config, save_every=0, resume=str(folder), steps=4))
     assert not witness.exists()
 
 

@@ -48,3 +48,29 @@ def test_resume_with_nothing_left_to_train_is_refused(capsys, tmp_path):
     line = refused(capsys, ["--resume", "--checkpoint-dir", str(tmp_path)])
     assert "nothing to train: the checkpoint step-000002 is at step 2; ask for steps > 2" \
         in line
+
+
+def test_resume_with_another_precision_is_refused(capsys, tmp_path):
+    assert main(["--save-every", "2", "--checkpoint-dir", str(tmp_path)] + FAST) == 0
+    capsys.readouterr()
+    argv = ["--resume", "--checkpoint-dir", str(tmp_path), "--steps", "4"]
+    for precision in ("bf16", "bf16-mixed"):
+        line = refused(capsys, argv + ["--precision", precision])
+        assert f"the checkpoint step-000002 was saved with precision 'fp32', not " \
+               f"'{precision}': resume it with precision='fp32'" in line
+    line = refused(capsys, ["--resume", str(tmp_path / "step-000002"), "--steps", "4",
+                            "--precision", "bf16"])
+    assert "saved with precision 'fp32', not 'bf16'" in line
+
+
+@pytest.mark.parametrize("flags", [["--save-every", "1"], ["--resume"],
+                                   ["--export", "model.pt"]])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_checkpoints_are_refused_before_anything_runs(capsys, tmp_path, flags,
+                                                                stage):
+    flags = [str(tmp_path / f) if f.endswith(".pt") else f for f in flags]
+    line = refused(capsys, ["--strategy", f"deepspeed-zero{stage}", "--world", "2",
+                            "--checkpoint-dir", str(tmp_path)] + flags)
+    field = {"--save-every": "save_every", "--resume": "resume", "--export": "export_path"}
+    assert f"strategy 'deepspeed-zero{stage}' cannot {field[flags[0]]} with shardlab's " \
+           f"checkpoints: DeepSpeed writes its own checkpoints" in line

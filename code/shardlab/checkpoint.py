@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
@@ -252,8 +253,17 @@ def info(folder: str | os.PathLike) -> dict:
 
 
 def _steps_newest_first(root: Path) -> list[Path]:
-    done = [f for f in root.glob("step-*") if is_complete(f)]
-    return sorted(done, key=lambda f: int(f.name.split("-")[1].split(".")[0]), reverse=True)
+    """Every finished save's folder (`step-N`, not an interrupted `step-N.tmp`), newest
+    first, complete or not: one that lost a file is reported, not passed over in silence."""
+    steps = [f for f in root.glob("step-*") if f.is_dir() and not f.name.endswith(TMP_SUFFIX)
+             and f.name.split("-", 1)[1].isdigit()]
+    return sorted(steps, key=lambda f: int(f.name.split("-", 1)[1]), reverse=True)
+
+
+def _check_complete(folder: Path) -> None:
+    missing = [name for name in (MARKER, METADATA) if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder}: file {missing[0]} is missing")
 
 
 def latest(root: str | os.PathLike, say=print) -> Path | None:
@@ -265,7 +275,9 @@ def latest(root: str | os.PathLike, say=print) -> Path | None:
     rank, _ = _rank_world()
     for folder in _steps_newest_first(root):
         try:
+            _check_complete(folder)
             verify(folder)
+            info(folder)  # the marker itself must read: resume takes its step from it
             return folder
         except CheckpointError as exc:
             if rank == 0 and say is not None:
@@ -364,11 +376,12 @@ def _load(folder: Path, wrapped, trusted: bool) -> int:
     if not folder.is_dir():
         raise CheckpointError(f"no checkpoint folder {folder}")
     if not trusted:
-        if not is_complete(folder):
+        if not (folder / MARKER).is_file():
             raise CheckpointError(f"{folder} is not a complete shardlab checkpoint (no "
                                   f"{MARKER} marker): pick one with "
                                   f"shardlab.checkpoint.latest(root), or pass trusted=True "
                                   f"to load a checkpoint written by PyTorch itself")
+        _check_complete(folder)
         verify(folder)
     metadata = safe_load_metadata(folder / METADATA)
     state = state_dict(wrapped, for_load=True)
@@ -381,12 +394,8 @@ def _load(folder: Path, wrapped, trusted: bool) -> int:
         state[rng_key] = torch.get_rng_state()
     try:
         dcp.load(state, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a file that verified but does not read
-        raise CheckpointError(f"checkpoint {folder} could not be read: "
-                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") \
-            from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - read, but unreadable
+        raise _read_error(folder, exc) from None
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     for piece in _pieces(wrapped):
@@ -399,6 +408,23 @@ def _load(folder: Path, wrapped, trusted: bool) -> int:
     counters = [v for k, v in state.items() if k.endswith(".step")
                 and isinstance(v, torch.Tensor) and v.dim() == 0]
     return int(counters[0]) if counters else 0
+
+
+def _read_error(folder: Path, exc: BaseException) -> CheckpointError:
+    """One error naming the checkpoint for whatever DCP raised while reading it. DCP's
+    own CheckpointException (a BaseException, not an Exception) carries each rank's
+    failure: ours (a refused read) as it is, any other by its type and first line."""
+    if isinstance(exc, CheckpointException):  # {rank: (exception, traceback)}
+        causes = [cause for cause, _ in exc.failures.values()] or [exc]
+    else:
+        causes = [exc]
+    for cause in causes:
+        if isinstance(cause, CheckpointError):
+            return cause
+    first = causes[0]
+    line = (str(first).strip().splitlines() or [""])[0][:300]
+    return CheckpointError(f"checkpoint {folder} could not be read: {type(first).__name__}"
+                           f"{': ' + line if line else ''}")
 
 
 # ============================================================================ export

@@ -217,7 +217,7 @@ class ModelConfig:
         return h * f + f + f * h + h if self.mlp == "gelu" else 3 * h * f
 
     def layer_params(self) -> int:
-        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        h, kv = self.hidden, self.kv_dim
         router = h * self.experts if self.experts > 1 else 0
         mlp = self.experts * self.expert_params() + router
         if self.style == "gpt2":

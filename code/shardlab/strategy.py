@@ -356,6 +356,15 @@ def get_strategy(name: str) -> Callable[..., Wrapped]:
     return getattr(importlib.import_module(module_name), fn_name)
 
 
+def checkpoint_refusal(name: str) -> str | None:
+    """Why `shardlab.checkpoint` cannot save or load strategy `name`, or None if it can.
+    A strategy module that keeps its own checkpoints (DeepSpeed's engine) says why in
+    `CHECKPOINT_REFUSAL`, so a run that asks to save is refused before it trains."""
+    get_strategy(name)
+    module_name = STRATEGIES[name].split(":")[0]
+    return getattr(importlib.import_module(module_name), "CHECKPOINT_REFUSAL", None)
+
+
 def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
                 options: dict) -> Wrapped:
     """The reference: the model as it is, one process, the whole global batch."""

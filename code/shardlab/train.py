@@ -40,12 +40,14 @@ from shardlab import checkpoint
 from shardlab.comm import Ledger, all_gather_into, clock_offset
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
-from shardlab.launch import RankFailed, launch, placement, rank_device, under_torchrun
+from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
+                             rank_device, under_torchrun)
 from shardlab.measure import state_bytes, track_peak
 from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, StepClock, ledger_totals, median_step_time
-from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
+from shardlab.strategy import (Wrapped, checkpoint_refusal, get_strategy,
+                               named_full_parameters, optimizer_spec)
 
 # ----------------------------------------------------------------------------- the config
 
@@ -119,6 +121,11 @@ class TrainConfig:
         if self.model_config is not None and not isinstance(self.model_config, dict):
             raise ValueError(f"model_config must be a dict of the architecture's settings, "
                              f"got {type(self.model_config).__name__}")
+        asked = [name for name in ("save_every", "resume", "export_path") if getattr(self, name)]
+        refusal = checkpoint_refusal(self.strategy) if asked else None
+        if refusal:
+            raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
+                             f"shardlab's checkpoints: {refusal}")
         if self.save_every:
             check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
         if self.export_path:
@@ -130,9 +137,12 @@ class TrainConfig:
         marker before any process starts; refuse a resume with nothing left to train."""
         if not self.resume:
             return 0
+        for root in _checkpoint_roots(self):
+            checkpoint.clean_interrupted(root)
         if self.resume is True:
-            checkpoint.clean_interrupted(self.checkpoint_dir)
-            folder = checkpoint.latest(self.checkpoint_dir)
+            # the one process that speaks: the launching one (under torchrun, rank 0's)
+            say = print if os.environ.get("RANK", "0") == "0" else None
+            folder = checkpoint.latest(self.checkpoint_dir, say=say)
             if folder is None:
                 raise ValueError(f"no complete checkpoint that verifies in "
                                  f"{self.checkpoint_dir}: train with save_every first, or "
@@ -143,11 +153,26 @@ class TrainConfig:
                 raise ValueError(f"no checkpoint folder {folder}")
         if not checkpoint.is_complete(folder):
             return 0  # a foreign checkpoint (trust_checkpoint): its step is read on load
-        step = int(checkpoint.info(folder).get("step", 0))
+        saved = checkpoint.info(folder)
+        if saved.get("precision", self.precision) != self.precision:
+            # its weights and optimizer state are that precision's (a master copy or not)
+            raise ValueError(f"the checkpoint {folder.name} was saved with precision "
+                             f"{saved['precision']!r}, not {self.precision!r}: resume it "
+                             f"with precision={saved['precision']!r}")
+        step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
                              f"{step}; ask for steps > {step}")
         return step
+
+
+def _checkpoint_roots(config: TrainConfig) -> list[Path]:
+    """Where saves of this run go and where it resumes from: the folders whose
+    interrupted saves (`step-N.tmp`) are cleaned before a resume."""
+    roots = [Path(config.checkpoint_dir)] if config.checkpoint_dir else []
+    if config.resume and config.resume is not True:
+        roots.append(Path(config.resume).parent)
+    return list(dict.fromkeys(roots))
 
 
 def check_writable_folder(folder, what: str) -> None:
@@ -319,9 +344,10 @@ def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
     """Load the checkpoint `config.resume` names; return the step to continue from."""
     if not config.resume:
         return 0
-    if config.checkpoint_dir:
-        checkpoint.clean_interrupted(config.checkpoint_dir)
-    folder = (checkpoint.latest(config.checkpoint_dir) if config.resume is True
+    for root in _checkpoint_roots(config):
+        checkpoint.clean_interrupted(root)
+    # check_resume, in the launching process, already said which checkpoints it skipped
+    folder = (checkpoint.latest(config.checkpoint_dir, say=None) if config.resume is True
               else Path(config.resume))
     if folder is None:
         raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
@@ -373,7 +399,10 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
                       **where)
     if not progress:
         return launch(train_worker, config.world, config, None, **where)
-    with tempfile.TemporaryDirectory(prefix="shardlab-train-") as tmp:
+    # a launch's folder, named as the launcher names its own: if this process is killed,
+    # the next launch finds its owner dead and removes it
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
+        (Path(tmp) / OWNER).write_text(str(os.getpid()))
         path = Path(tmp) / "progress"
         path.touch()
         done = threading.Event()

@@ -71,8 +71,8 @@ from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import (InnerOptimizerFace, MasterWeightOptimizer, Precision,
                                 get_precision)
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_options,
-                               check_same_on_all_ranks, get_strategy, named_full_parameters, optimizer_spec,
-                               owned_ranges, state_of, tied_names)
+                               check_same_on_all_ranks, get_strategy, named_full_parameters,
+                               optimizer_spec, owned_ranges, state_of, tied_names)
 
 MB = 1 << 20
 
@@ -702,7 +702,7 @@ class TorchZero1:
         masters = {id(p): m for p, m in getattr(local, "pairs", [])}
         inner = local.optimizer if isinstance(local, MasterWeightOptimizer) else local
         owned = {id(p) for group in local.param_groups for p in group["params"]}
-        owned |= {id(p) for p in masters}
+        owned |= set(masters)  # the model parameters whose master copy this rank steps
         names = tied_names(module)
         out = []
         for name, p in module.named_parameters():
