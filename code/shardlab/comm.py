@@ -451,7 +451,10 @@ def _timed_wait(self, *args, **kwargs):
     finally:
         done = time.perf_counter()
         for ledger in list(_ACTIVE):
-            _, records = ledger._by_work.get(id(self), (None, ()))
+            # waited: let the work go, and the tensors it holds with it (a ZeRO-3 unit's
+            # full gradient, reduce-scattered, must be freed when the strategy drops it,
+            # not when the ledger forgets the step)
+            _, records = ledger._by_work.pop(id(self), (None, ()))
             for record in records:
                 record.waits.append((begin, done))
                 if math.isnan(record.end):  # no completion signal (yet): the wait's return
@@ -513,7 +516,8 @@ class Ledger:
         self.step = 0
         self._pending: list[torch.futures.Future] = []
         # id(work) -> (work, its records): a work waited later (even a step later, as a
-        # deferred all-gather is) finds its records; the work is kept so its id stays its own
+        # deferred all-gather is) finds its records; the work is kept until then so that
+        # its id stays its own, and dropped once waited (it holds its tensors)
         self._by_work: dict[int, tuple] = {}
 
     def __enter__(self) -> "Ledger":
