@@ -25,25 +25,30 @@ def test_every_chapter_has_an_up_to_date_notebook_for_colab():
     assert colab_notebooks.main(["--check"]) == 0
 
 
-def install_cells() -> dict[str, str]:
+def install_cells() -> dict[str, tuple[str, str]]:
+    """Each notebook's first code cell (its install cell) and the rest of its code."""
     notebooks = [*sorted((ROOT / "labs").glob("*.ipynb")),
                  *sorted((ROOT / "notebooks").rglob("*.ipynb"))]
     cells = {}
     for path in notebooks:
         cells_ = json.loads(path.read_text())["cells"]
-        code = [c for c in cells_ if c["cell_type"] == "code"]
-        cells[str(path.relative_to(ROOT))] = "".join(code[0]["source"]) if code else ""
+        code = ["".join(c["source"]) for c in cells_ if c["cell_type"] == "code"]
+        cells[str(path.relative_to(ROOT))] = (code[0] if code else "", "\n".join(code[1:]))
     return cells
 
 
 def test_every_notebook_installs_the_course_from_the_one_repository_url():
+    """With the extras its code needs on Colab (DeepSpeed is not preinstalled there)."""
     url = colab_notebooks.repository_url()
     cells = install_cells()
     assert len(cells) >= 13
-    for name, source in cells.items():
+    for name, (source, rest) in cells.items():
         assert source.startswith(colab_notebooks.INSTALL_COMMENT), name
-        assert f'"shardlab @ git+{url}"' in source, name
+        extras = colab_notebooks.package_extras(rest)
+        package = f"shardlab[{','.join(extras)}]" if extras else "shardlab"
+        assert f'"{package} @ git+{url}"' in source, name
         assert source.count("git+") == 1, name
+    assert any("shardlab[deepspeed]" in source for source, _ in cells.values())
 
 
 def test_every_lab_shows_its_title_before_the_install_cell():
@@ -70,8 +75,32 @@ BROKEN = {
     "missing-notebook.html": "<html><body><a href='https://colab.research.google.com/github/"
                              "shardlab/shardlab/blob/main/notebooks/nowhere.ipynb'>Colab</a>"
                              "</body></html>",
-    "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p></body></html>",
+    "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p>"
+                 "<img src='sharp.png'></body></html>",
+    # what MathJax leaves for a display equation wider than the column
+    "wide-equation.html": "<html><body><div class='math'><mjx-container display='true' "
+                          "style='display:block;overflow-x:auto'><span style='display:"
+                          "inline-block;width:3000px'>T = ...</span></mjx-container></div>"
+                          "</body></html>",
+    # a figure drawn 1200 px wide at 100 dpi and shown 600 px wide: 8 points is 5.6 px
+    "small-figure.html": "<html><body><img src='wide.png' style='width:600px'></body></html>",
 }
+
+
+def png(width: int, height: int, dpi: float) -> bytes:
+    """A blank grey PNG that records its resolution, as matplotlib's do."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    rows = b"".join(b"\x00" + b"\xc0" * width for _ in range(height))
+    per_metre = round(dpi / 0.0254)
+    return (b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"pHYs", struct.pack(">IIB", per_metre, per_metre, 1))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
 @chromium
@@ -79,6 +108,8 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
     import check_site
     for name, html in BROKEN.items():
         (tmp_path / name).write_text(html)
+    (tmp_path / "wide.png").write_bytes(png(1200, 300, 100))
+    (tmp_path / "sharp.png").write_bytes(png(600, 300, 90))  # shown at its own size
     (tmp_path / "index.html").write_text("<html><body>index</body></html>")
     found = check_site.check_site(tmp_path)
     assert any("JavaScript error" in p and "notDefinedAnywhere" in p
@@ -87,6 +118,10 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
     assert any("broken image: missing.png" in p for p in found["broken-image.html"])
     assert found["error-output.html"] == ["1 error output(s)"]
     assert any("notebooks/nowhere.ipynb" in p for p in found["missing-notebook.html"])
+    assert any("display equation wider than the column (3000 px" in p
+               for p in found["wide-equation.html"])
+    assert any("figure text too small: wide.png" in p and "5.6 px" in p
+               for p in found["small-figure.html"])
     assert "good.html" not in found and "index.html" not in found
 
 

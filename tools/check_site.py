@@ -5,20 +5,31 @@
 For each page: JavaScript errors (the console's SEVERE entries), images that do not load,
 error outputs of executed cells, TeX left untypeset once MathJax is done (`$$`, `\\begin{`,
 `\\frac`, ... in the visible text, outside code), and launch links to a notebook that does
-not exist in the repository. Chromium runs headless, with no network, from Debian's
-`chromium` and `chromium-driver` packages.
+not exist in the repository. And what the page looks like at 1280 px: a display equation
+wider than the text column (once `_static/fit-math.js` has set it as small as it may), and
+a figure shown so much smaller than it was drawn that its smallest text (8 points, the
+smallest the course's figures use) is under 10 px on the screen; the figure's resolution
+is read from its PNG. Chromium runs headless, with no network, from Debian's `chromium`
+and `chromium-driver` packages.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import re
+import struct
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW_TEX = re.compile(r"\$\$|\\begin\{|\\end\{|\\frac|\\sum_|\\mathrm\{|\\text\{|\\Psi\b")
 SKIP = {"genindex.html", "search.html"}
+# A figure's smallest text: matplotlib's points, the course's smallest size, and the least
+# it may be on the screen.
+SMALLEST_PT = 8
+MIN_TEXT_PX = 10
 
 # Waits for MathJax (when the page has it) to finish typesetting, then reports.
 INSPECT = r"""
@@ -35,6 +46,19 @@ const report = () => {
     errorOutputs: document.querySelectorAll(".output.traceback, .output.error").length,
     colab: [...document.querySelectorAll("a[href*='colab.research.google.com']")]
                .map(a => a.href),
+    // display equations still wider than their box (hidden ones have no width)
+    wideMath: [...document.querySelectorAll('mjx-container[display="true"]')]
+        .filter(e => e.clientWidth && e.scrollWidth > e.clientWidth + 1)
+        .map(e => {
+          let tex = "";
+          try { tex = MathJax.startup.document.getMathItemsWithin(e)[0].math; } catch (_) {}
+          return {width: e.scrollWidth, column: e.clientWidth,
+                  tex: tex || e.textContent};
+        }),
+    figures: [...document.images]
+        .filter(i => i.complete && i.naturalWidth && i.getBoundingClientRect().width)
+        .map(i => ({src: i.getAttribute("src"), natural: i.naturalWidth,
+                    shown: i.getBoundingClientRect().width})),
   });
 };
 const start = Date.now();
@@ -42,7 +66,8 @@ let reported = false;
 const once = () => { if (!reported) { reported = true; report(); } };
 const poll = () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
-    MathJax.startup.promise.then(once, once);
+    // after fit-math.js, which waits on the same promise, has set the equations' sizes
+    MathJax.startup.promise.then(() => setTimeout(once, 50), once);
     setTimeout(once, 15000);  // a typesetting that never ends is reported as it stands
   } else if (!window.MathJax || Date.now() - start > 10000) {
     once();
@@ -91,11 +116,52 @@ def check_page(driver, page: Path, repo: Path = ROOT) -> list[str]:
         context = found["text"][max(0, match.start() - 30):match.end() + 30]
         problems.append(f"untypeset TeX: ...{' '.join(context.split())}...")
         break
+    for eq in found["wideMath"]:
+        problems.append(f"display equation wider than the column ({eq['width']} px in "
+                        f"{eq['column']} px): {' '.join(eq['tex'].split())[:80]}")
+    for figure in found["figures"]:
+        dpi = png_dpi(image_bytes(page, figure["src"]))
+        if dpi:
+            px = SMALLEST_PT * dpi / 72 * figure["shown"] / figure["natural"]
+            if px < MIN_TEXT_PX - 0.1:
+                name = ("an embedded PNG" if figure["src"].startswith("data:")
+                        else figure["src"].rsplit("/", 1)[-1])
+                problems.append(
+                    f"figure text too small: {name} drawn {figure['natural']} px "
+                    f"wide at {dpi:.0f} dpi, shown {figure['shown']:.0f} px wide, so "
+                    f"{SMALLEST_PT}-point text is {px:.1f} px (under {MIN_TEXT_PX})")
     for url in found["colab"]:
         path = url.split("/blob/", 1)[1].split("/", 1)[1] if "/blob/" in url else ""
         if not path.endswith(".ipynb") or not (repo / path).is_file():
             problems.append(f"launch link to a notebook that is not in the repository: {url}")
     return problems
+
+
+def image_bytes(page: Path, src: str) -> bytes:
+    """An image's bytes, from a data: URL or a file beside the page (b"" for any other)."""
+    if src.startswith("data:"):
+        header, _, data = src.partition(",")
+        return base64.b64decode(data) if header.endswith(";base64") else b""
+    if "://" in src:
+        return b""
+    path = page.parent / unquote(src.split("#")[0].split("?")[0])
+    return path.read_bytes() if path.is_file() else b""
+
+
+def png_dpi(data: bytes) -> float | None:
+    """The resolution a PNG records (its pHYs chunk, which matplotlib writes), or None."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    pos = 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if kind == b"pHYs" and length == 9:
+            x, _, unit = struct.unpack(">IIB", data[pos + 8:pos + 17])
+            return x * 0.0254 if unit == 1 and x else None
+        if kind in (b"IDAT", b"IEND"):
+            return None
+        pos += 12 + length
+    return None
 
 
 def check_site(site: Path, repo: Path = ROOT) -> dict[str, list[str]]:

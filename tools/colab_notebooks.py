@@ -31,9 +31,17 @@ def repository_url() -> str:
     return config["repository"]["url"].rstrip("/")
 
 
-def install_source(extras: tuple[str, ...] = ()) -> str:
-    """The install cell. Chapters also need myst-nb (they `glue` their numbers)."""
-    packages = ", ".join(f'"{p}"' for p in (f"shardlab @ git+{repository_url()}", *extras))
+def package_extras(code: str) -> tuple[str, ...]:
+    """The extras of shardlab a notebook's code needs on Colab, which has torch and
+    transformers but not DeepSpeed."""
+    return ("deepspeed",) if "deepspeed" in code else ()
+
+
+def install_source(extras: tuple[str, ...] = (), package: tuple[str, ...] = ()) -> str:
+    """The install cell: shardlab with the `package` extras it needs, and other `extras`
+    (chapters also need myst-nb: they `glue` their numbers)."""
+    shardlab = f"shardlab[{','.join(package)}]" if package else "shardlab"
+    packages = ", ".join(f'"{p}"' for p in (f"{shardlab} @ git+{repository_url()}", *extras))
     return (f"{INSTALL_COMMENT}\n"
             "import importlib.util, subprocess, sys\n"
             'if "google.colab" in sys.modules and importlib.util.find_spec("shardlab") is None:\n'
@@ -51,7 +59,8 @@ def chapter_notebook(source: Path) -> nbformat.NotebookNode:
     notebook = jupytext.read(source.with_suffix(".md"), fmt="md:myst")
     notebook.metadata.pop("jupytext", None)
     title = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "markdown"), -1)
-    cell = nbformat.v4.new_code_cell(install_source(("myst-nb",)))
+    code = "\n".join(c.source for c in notebook.cells if c.cell_type == "code")
+    cell = nbformat.v4.new_code_cell(install_source(("myst-nb",), package_extras(code)))
     cell.id = "install-on-colab"
     notebook.cells.insert(title + 1, cell)
     for i, c in enumerate(notebook.cells):

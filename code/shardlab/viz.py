@@ -73,13 +73,13 @@ def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = 
                        for c in ("optimizer", "grads", "params")],
               frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for s, top in enumerate(tops):
-        ax.text(s, top, f"{top:,.1f}", ha="center", va="bottom", fontsize=9,
+        ax.text(s, top, f"{top:,.1f}", ha="center", va="bottom", fontsize=SMALLEST_PT,
                 alpha=1.0 if stage in (None, s) else 0.4)
     ymax = rows[0]["params"] + rows[0]["grads"] + rows[0]["optimizer"]
     if gpu_memory is not None:
         ax.axhline(gpu_memory / UNITS[unit], color="black", linestyle="--", linewidth=1)
         ax.text(3.45, gpu_memory / UNITS[unit], "GPU memory", ha="right", va="bottom",
-                fontsize=9, backgroundcolor="white")
+                fontsize=SMALLEST_PT, backgroundcolor="white")
         ymax = max(ymax, gpu_memory)
     ax.set_ylim(0, 1.12 * ymax / UNITS[unit])
     if title is None:
@@ -91,7 +91,7 @@ def draw_stages(ax, psi, world: int, stage: int | None = None, precision: str = 
 def stages_figure(psi, world: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
                   unit: str = "GB", gpu_memory=None, title: str | None = None):
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.5, 4), dpi=90)
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.8), dpi=DPI)
     draw_stages(ax, psi, world, None, precision, optimizer, unit, gpu_memory, title)
     fig.tight_layout()
     return fig
@@ -109,9 +109,10 @@ def stages_animation(psi, worlds: Sequence[int] = (1, 2, 4, 8, 16, 64),
     from matplotlib.animation import FuncAnimation
 
     frames = [(n, s) for n in worlds for s in memory.STAGES]
-    fig, ax = plt.subplots(figsize=(8.5, 4), dpi=80)
+    # the column's width at DPI, so the player shows each frame at its own size
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.8), dpi=DPI)
     # fixed margins: every frame redraws the axes, and all frames must line up
-    fig.subplots_adjust(left=0.09, right=0.78, bottom=0.17, top=0.9)
+    fig.subplots_adjust(left=0.1, right=0.75, bottom=0.17, top=0.9)
 
     def draw(i):
         n, s = frames[i]
@@ -253,7 +254,7 @@ def explorer(default_model: str = "llama-2-7b"):
         with out:
             out.clear_output(wait=True)
             psi = memory.num_params(model.value)
-            fig, ax = plt.subplots(figsize=(8.5, 4), dpi=90)
+            fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.8), dpi=DPI)
             draw_stages(ax, psi, world.value, stage.value, precision.value, optimizer.value,
                         gpu_memory=gpu.value * memory.GB,
                         title=f"{model.value} (psi = {psi / 1e9:.2f}B), N = {world.value}, "
@@ -285,7 +286,7 @@ def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
     comms = {"all_gather": "#DD8452", "reduce_scatter": "#C44E52", "all_reduce": "#937860",
              "other": "#DA8BC3"}
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.6 + 1.1 * len(timeline)), dpi=90)
+        _, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 0.6 + 1.1 * len(timeline)), dpi=DPI)
     labels = []
     for i, rank in enumerate(timeline):
         y = 2 * (len(timeline) - 1 - i)
@@ -310,7 +311,7 @@ def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
         {k for r in timeline for k, *_ in r["collectives"]} | {"exposed", "idle"}
     ax.legend(handles=[h for h in handles if h.get_label().replace("-", "_") in used
                        or h.get_label() in used],
-              frameon=False, fontsize=8, ncol=4, loc="upper center",
+              frameon=False, fontsize=SMALLEST_PT, ncol=4, loc="upper center",
               bbox_to_anchor=(0.5, -0.35 if len(timeline) < 3 else -0.2))
     if title:
         ax.set_title(title, loc="left", fontsize=10)
