@@ -61,6 +61,8 @@ def test_resume_with_another_precision_is_refused(capsys, tmp_path):
     line = refused(capsys, ["--resume", str(tmp_path / "step-000002"), "--steps", "4",
                             "--precision", "bf16"])
     assert "saved with precision 'fp32', not 'bf16'" in line
+    line = refused(capsys, argv + ["--optimizer", "sgd"])
+    assert "saved with optimizer 'adamw', not 'sgd': resume it with optimizer='adamw'" in line
 
 
 @pytest.mark.parametrize("flags", [["--save-every", "1"], ["--resume"],

@@ -159,6 +159,11 @@ class TrainConfig:
             raise ValueError(f"the checkpoint {folder.name} was saved with precision "
                              f"{saved['precision']!r}, not {self.precision!r}: resume it "
                              f"with precision={saved['precision']!r}")
+        if saved.get("optimizer", self.optimizer) != self.optimizer:
+            # another optimizer would start from no state of its own, silently
+            raise ValueError(f"the checkpoint {folder.name} was saved with optimizer "
+                             f"{saved['optimizer']!r}, not {self.optimizer!r}: resume it "
+                             f"with optimizer={saved['optimizer']!r}")
         step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
@@ -359,7 +364,7 @@ def _save(config: TrainConfig, step: int, wrapped: Wrapped, ledger: Ledger | Non
     kept = len(ledger.records) if ledger is not None else 0
     checkpoint.save(config.checkpoint_dir, step, wrapped,
                     {"strategy": config.strategy, "model": config.model,
-                     "precision": config.precision})
+                     "precision": config.precision, "optimizer": config.optimizer})
     if ledger is not None:  # the ledger holds the strategy's traffic, not the save's
         del ledger.records[kept:]
 
