@@ -350,3 +350,25 @@ def test_stage_figures_draw_the_formulas():
         tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
     assert [tops[s] for s in range(4)] == pytest.approx(
         [model_states(psi, 8, s).total / GB for s in range(4)])
+
+
+@pytest.mark.parametrize("nbytes,block,segment", [
+    (1, 512, 2 << 20),                                # the smallest block
+    (512, 512, 2 << 20),
+    (513, 1024, 2 << 20),
+    (1 << 20, 1 << 20, 2 << 20),                      # the largest small block
+    ((1 << 20) + 512, (1 << 20) + 512, 20 << 20),     # a large one, in a 20 MiB segment
+    ((10 << 20) - 512, (10 << 20) - 512, 20 << 20),
+    ((10 << 20) + 1, (10 << 20) + 512, 12 << 20),     # its own segment, to 2 MiB
+])
+def test_the_cuda_allocators_blocks_and_segments(nbytes, block, segment):
+    """The sizes PyTorch's own allocator tests expect (test_cuda.py's memory-stats cases:
+    512 B and 1 MiB requests in 2 MiB small-pool segments, 1 MiB + 512 B to 10 MiB - 512 B
+    in 20 MiB segments, larger ones rounded to 2 MiB)."""
+    assert memory.cuda_block_bytes(nbytes) == block
+    assert memory.cuda_segment_bytes(nbytes) == segment
+
+
+def test_the_allocator_refuses_nonsense():
+    with pytest.raises(ValueError, match="nbytes must be a whole number > 0"):
+        memory.cuda_block_bytes(0)
