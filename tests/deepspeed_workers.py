@@ -16,7 +16,7 @@ from shardlab.models import build_model
 from shardlab.precision import get_precision
 from shardlab.strategy import get_strategy, optimizer_spec
 from shardlab.train import TrainConfig, train_worker
-from zero_workers import reference
+from zero_workers import compared, reference
 
 
 def parity_cases(cases: list[TrainConfig]) -> list[dict]:
@@ -28,19 +28,9 @@ def parity_cases(cases: list[TrainConfig]) -> list[dict]:
         report = train_worker(config)
         ref_losses, ref_params = reference(config)
         assert report.params.keys() == ref_params.keys(), config
-        out.append({
-            "strategy": config.strategy, "model": config.model,
-            "model_config": config.model_config, "precision": config.precision,
-            "optimizer": config.optimizer, "grad_accum": config.grad_accum,
-            "options": dict(config.options), "steps": config.steps,
-            "losses": report.losses, "ref_losses": ref_losses,
-            "loss_diff": max(abs(a - b) for a, b in zip(report.losses, ref_losses)),
-            "param_diff": max((report.params[k].float() - ref_params[k].float()).abs().max()
-                              .item() for k in ref_params),
-            "param_scale": max(v.float().abs().max().item() for v in ref_params.values()),
-            "psi": report.psi, "state_bytes": report.state_bytes, "peak": report.peak,
-            "ledger": [(r.op, str(r.dtype), r.logical_bytes, r.step) for r in report.ledger],
-        })
+        out.append({**compared(config, report, ref_losses, ref_params),
+                    "model_config": config.model_config, "options": dict(config.options),
+                    "steps": config.steps})
     return out
 
 

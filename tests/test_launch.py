@@ -234,20 +234,26 @@ if __name__ == "__main__":
 """
 
 
+def start_script(folder: Path, source: str) -> tuple[str, subprocess.Popen]:
+    """Run `source` as a script that launches (its folder as its argument), its processes
+    marked by a token in their environment: (token, the script's process)."""
+    token = f"shardlab-test-{uuid.uuid4().hex}"
+    script = folder / "job.py"
+    script.write_text(source)
+    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return token, subprocess.Popen([sys.executable, str(script), str(folder)], env=env,
+                                   stderr=subprocess.PIPE)
+
+
 @pytest.mark.parametrize("moment", ["starting", "ranks-importing", "running"])
 def test_killing_the_launching_process_leaves_nothing(tmp_path, moment):
     """kill -9 of the script that launched, at any moment: while it starts the ranks,
     while they import torch, while they run (and have started children of their own).
     Within a few seconds no process of the launch remains, and the next launch removes
     the run folder the killed one could not."""
-    token = f"shardlab-test-{uuid.uuid4().hex}"
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
-                              stderr=subprocess.PIPE)
+    token, parent = start_script(tmp_path, SCRIPT)
     if moment == "starting":
         deadline = time.monotonic() + 60
         while len(processes_with(token)) < 2 and time.monotonic() < deadline:
@@ -286,14 +292,7 @@ def test_ranks_still_starting_end_at_once_with_the_launching_process(tmp_path):
     """kill -9 of the launching script while its ranks are still starting up (importing
     torch and the script take seconds, far more on a busy machine): they end at once, not
     when they would have reached their own watchdog."""
-    token = f"shardlab-test-{uuid.uuid4().hex}"
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_START)
-    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
-                              stderr=subprocess.PIPE)
+    token, parent = start_script(tmp_path, SLOW_START)
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("starting*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

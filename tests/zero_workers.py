@@ -61,21 +61,25 @@ def parity_cases(cases: list[TrainConfig]) -> list[dict]:
         report = train_worker(config)
         ref_losses, ref_params = reference(config)
         assert report.params.keys() == ref_params.keys()
-        out.append({
-            "strategy": config.strategy, "model": config.model,
-            "precision": config.precision, "optimizer": config.optimizer,
-            "grad_accum": config.grad_accum,
-            "bucket_numel": config.options.get("bucket_numel"),
-            "groups": "param_groups" in config.options,
-            "losses": report.losses, "ref_losses": ref_losses,
-            "loss_diff": max(abs(a - b) for a, b in zip(report.losses, ref_losses)),
-            "param_diff": max((report.params[k].float() - ref_params[k].float()).abs().max()
-                              .item() for k in ref_params),
-            "param_scale": max(v.float().abs().max().item() for v in ref_params.values()),
-            "psi": report.psi, "state_bytes": report.state_bytes, "peak": report.peak,
-            "ledger": [(r.op, str(r.dtype), r.logical_bytes, r.step) for r in report.ledger],
-        })
+        out.append({**compared(config, report, ref_losses, ref_params),
+                    "bucket_numel": config.options.get("bucket_numel"),
+                    "groups": "param_groups" in config.options})
     return out
+
+
+def compared(config: TrainConfig, report, ref_losses, ref_params) -> dict:
+    """A distributed run beside the single-process reference: what the parity tests read."""
+    return {
+        "strategy": config.strategy, "model": config.model, "precision": config.precision,
+        "optimizer": config.optimizer, "grad_accum": config.grad_accum,
+        "losses": report.losses, "ref_losses": ref_losses,
+        "loss_diff": max(abs(a - b) for a, b in zip(report.losses, ref_losses)),
+        "param_diff": max((report.params[k].float() - ref_params[k].float()).abs().max()
+                          .item() for k in ref_params),
+        "param_scale": max(v.float().abs().max().item() for v in ref_params.values()),
+        "psi": report.psi, "state_bytes": report.state_bytes, "peak": report.peak,
+        "ledger": [(r.op, str(r.dtype), r.logical_bytes, r.step) for r in report.ledger],
+    }
 
 
 def refuses_different_models() -> str:
