@@ -416,24 +416,28 @@ def _record_native(describe, args) -> Callable:
         unboxed = dist.Work.unbox(work)
         if unboxed is None:  # a blocking NCCL collective: it is done, keep the launch time
             return
-        for ledger in _ACTIVE:  # `work.wait()` finds its records here (see _timed_wait)
-            ledger._by_work[id(unboxed)] = (unboxed, records)
         for record in records:
             record.end = math.nan  # known when the future completes, or a wait returns
         try:  # time to completion, without waiting here (DDP overlaps its all-reduce)
             future = unboxed.get_future()
         except RuntimeError:  # gloo's reduce-scatter and send/recv give no future
-            return
+            future = None
+        pending = None
+        if future is not None:
+            def completed(_):
+                now = time.perf_counter()
+                for record in records:
+                    record.seconds = now - start
+                    record.end = now
 
-        def completed(_):
-            now = time.perf_counter()
-            for record in records:
-                record.seconds = now - start
-                record.end = now
-
-        pending = future.then(completed)
-        for ledger in _ACTIVE:
-            ledger._pending.append(pending)
+            pending = future.then(completed)
+        # on the CPU a wait returns when the work is done, so waiting for its callback
+        # too costs nothing; on a GPU it must not block the host (it orders streams)
+        callback = pending if _first(tensors).device.type == "cpu" else None
+        for ledger in _ACTIVE:  # `work.wait()` finds its records here (see _timed_wait)
+            ledger._by_work[id(unboxed)] = (unboxed, records, callback)
+            if pending is not None:
+                ledger._pending.append(pending)
 
     return finished
 
@@ -453,8 +457,12 @@ def _timed_wait(self, *args, **kwargs):
         for ledger in list(_ACTIVE):
             # waited: let the work go, and the tensors it holds with it (a ZeRO-3 unit's
             # full gradient, reduce-scattered, must be freed when the strategy drops it,
-            # not when the ledger forgets the step)
-            _, records = ledger._by_work.pop(id(self), (None, ()))
+            # not when the ledger forgets the step). The completion callback runs on the
+            # backend's thread and holds the result until it has run: wait for it too,
+            # so that when the tensors go does not depend on how busy the machine is.
+            _, records, callback = ledger._by_work.pop(id(self), (None, (), None))
+            if callback is not None:
+                callback.wait()
             for record in records:
                 record.waits.append((begin, done))
                 if math.isnan(record.end):  # no completion signal (yet): the wait's return
@@ -515,7 +523,7 @@ class Ledger:
         self.records: list[CollectiveRecord] = []
         self.step = 0
         self._pending: list[torch.futures.Future] = []
-        # id(work) -> (work, its records): a work waited later (even a step later, as a
+        # id(work) -> (work, its records, its completion callback): a work waited later (even a step later, as a
         # deferred all-gather is) finds its records; the work is kept until then so that
         # its id stays its own, and dropped once waited (it holds its tensors)
         self._by_work: dict[int, tuple] = {}
@@ -536,8 +544,8 @@ class Ledger:
     def mark_step(self) -> None:
         self.step += 1
         # forget works launched two steps ago or earlier: nobody waits for them any more
-        self._by_work = {k: (work, records) for k, (work, records) in self._by_work.items()
-                         if any(r.step >= self.step - 1 for r in records)}
+        self._by_work = {k: entry for k, entry in self._by_work.items()
+                         if any(r.step >= self.step - 1 for r in entry[1])}
 
     def totals(self) -> dict:
         return totals(self.records)
