@@ -236,11 +236,17 @@ def step_folder(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
+def _missing_files(folder: Path) -> list[str]:
+    """What a finished save writes last (the marker) and what every read needs (the
+    metadata), of those absent from `folder`."""
+    return [name for name in (MARKER, METADATA) if not (folder / name).is_file()]
+
+
 def is_complete(folder: str | os.PathLike) -> bool:
     """Written to the end by shardlab (marker and metadata present); not yet verified."""
     folder = Path(folder)
     return (folder.is_dir() and not folder.name.endswith(TMP_SUFFIX)
-            and (folder / MARKER).is_file() and (folder / METADATA).is_file())
+            and not _missing_files(folder))
 
 
 def info(folder: str | os.PathLike) -> dict:
@@ -261,7 +267,7 @@ def _steps_newest_first(root: Path) -> list[Path]:
 
 
 def _check_complete(folder: Path) -> None:
-    missing = [name for name in (MARKER, METADATA) if not (folder / name).is_file()]
+    missing = _missing_files(folder)
     if missing:
         raise CheckpointError(f"checkpoint {folder}: file {missing[0]} is missing")
 

@@ -523,9 +523,10 @@ class Ledger:
         self.records: list[CollectiveRecord] = []
         self.step = 0
         self._pending: list[torch.futures.Future] = []
-        # id(work) -> (work, its records, its completion callback): a work waited later (even a step later, as a
-        # deferred all-gather is) finds its records; the work is kept until then so that
-        # its id stays its own, and dropped once waited (it holds its tensors)
+        # id(work) -> (work, its records, its completion callback): a work waited later
+        # (even a step later, as a deferred all-gather is) finds its records; the work is
+        # kept until then so that its id stays its own, and dropped once waited (it holds
+        # its tensors)
         self._by_work: dict[int, tuple] = {}
 
     def __enter__(self) -> "Ledger":

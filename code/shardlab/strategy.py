@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlab.launch import rank_device
 from shardlab.measure import local_tensor
@@ -175,8 +176,7 @@ def replicated_pieces(module: nn.Module, optimizer) -> list[Piece]:
     dim-0 chunks of the course's `fully_shard`) would be written as if each rank's chunk
     were the whole parameter, and a resume would load wrong weights without a word."""
     named = list(module.named_parameters())
-    dtensors = [name for name, p in named if type(p.data).__name__ == "DTensor"
-                or type(p).__name__ == "DTensor"]
+    dtensors = [name for name, p in named if isinstance(p, DTensor)]
     if dtensors:
         raise ValueError(f"parameters {dtensors[:3]} are DTensors (PyTorch's fully_shard): "
                          f"not whole on every rank. Declare the layout with "
