@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The parity tests under other versions of torch: each VERSION gets its own virtual
+# environment (.venv-torch-VERSION), torch==VERSION from the package index, the course's
+# runtime dependencies, and the course's code from this checkout; then the tests that hold
+# our strategies against PyTorch's own DDP, ZeroRedundancyOptimizer and fully_shard run
+# under it.
+#
+#   bash tools/torch_versions.sh              # the floor the README claims, and the newest
+#   bash tools/torch_versions.sh 2.8.0        # any other
+#
+# CI runs it for the floor. Versions other than 2.13 come from the index as full builds
+# (with CUDA libraries, several GB); they run on a CPU all the same.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FLOOR=2.7.1     # the oldest torch the whole suite passes under (2.6's fully_shard fails on CPU)
+NEWEST=2.15.0   # the newest the index served when this was last checked
+PARITY_TESTS=(tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_train.py)
+
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=("$FLOOR" "$NEWEST")
+
+for version in "${versions[@]}"; do
+    venv=".venv-torch-$version"
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, transformers, pytest" 2>/dev/null; then
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q "torch==$version"
+        # the runtime dependencies and the test tools; no book tools, no DeepSpeed
+        "$venv/bin/pip" install -q numpy matplotlib tqdm pytest pytest-timeout nbformat \
+            "transformers>=4.45"
+    fi
+    echo "== parity tests under torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+    # this checkout's code, not an installed copy
+    PYTHONPATH="$PWD/code" "$venv/bin/python" -m pytest "${PARITY_TESTS[@]}" \
+        -q -p no:cacheprovider
+done
