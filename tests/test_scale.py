@@ -149,6 +149,8 @@ def test_the_checker_sees_a_typed_figure():
     ("05", "the measured curve follows the dotted one"),
     ("08", "a healthy ZeRO-3 step shows most of its all-gathers hidden"),
     ("04", "bucketed collectives do hide behind backward"),
+    ("01", "much of ZeRO-3's extra traffic hides behind the forward and backward passes"),
+    ("08", "is what the overlap removes"),
 ])
 def test_no_gpu_outcome_is_stated_without_a_run(prefix, claim):
     assert claim not in flat(chapter(prefix))
