@@ -128,7 +128,7 @@ def test_the_glossary_says_what_its_terms_do_not_do():
 
 # a literal like 450e9, 989e12, 2e9 or 80 * GB in a chapter's code is a hardware figure
 # typed there instead of read from `shardlab.hardware` (1e9 and 1e12 are units)
-FIGURE_LITERAL = re.compile(r"(?<![\w.])(?!1e)\d+(\.\d+)?e(9|12)\b|\b\d+ \* GB\b|\b\d+e-6\b")
+FIGURE_LITERAL = re.compile(r"(?<![\w.])(?!1e)\d+(\.\d+)?e(9|12|-6)\b|\b\d+ \* GB\b")
 
 
 def test_every_hardware_figure_in_the_chapters_comes_from_the_table():
@@ -140,7 +140,8 @@ def test_every_hardware_figure_in_the_chapters_comes_from_the_table():
 def test_the_checker_sees_a_typed_figure():
     assert FIGURE_LITERAL.search("NVLINK, IB = 450e9, 50e9")
     assert FIGURE_LITERAL.search("GPU = 80 * GB")
-    assert not FIGURE_LITERAL.search("x / 1e9, y / 1e12, 10**9")
+    assert FIGURE_LITERAL.search("ALPHA = 5e-6")
+    assert not FIGURE_LITERAL.search("x / 1e9, y / 1e12, 10**9, atol=1e-6")
 
 
 # ------------------------------------------------------------------ 8: GPU outcomes
