@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--backend", default="auto")
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
+    p.add_argument("--results", metavar="PATH",
+                   help="write the printed table as JSON (benchmarks/results/*.json: the "
+                        "files the README's tables are checked against)")
     args = p.parse_args(argv)
 
     out = {}
@@ -96,6 +99,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"{exposed[False]:>9.1f} ms {exposed[True]:>8.1f} ms")
             out[world][s] = {"off_s": off, "on_s": on, "ratios": ratios, "ratio": ratio,
                              "exposed_ms": {"off": exposed[False], "on": exposed[True]}}
+    if args.results:
+        rows = {str(world): {s: {
+            "off_ms": round(1e3 * statistics.median(r["off_s"]), 1),
+            "on_ms": round(1e3 * statistics.median(r["on_s"]), 1),
+            "ratio": round(r["ratio"], 2),
+            "ratio_min": round(min(r["ratios"]), 2), "ratio_max": round(max(r["ratios"]), 2),
+            "exposed_off_ms": round(r["exposed_ms"]["off"], 1),
+            "exposed_on_ms": round(r["exposed_ms"]["on"], 1)}
+            for s, r in per_strategy.items()} for world, per_strategy in out.items()}
+        with open(args.results, "w") as f:
+            json.dump({"benchmark": "bench_overlap",
+                       "command": " ".join(["python benchmarks/bench_overlap.py",
+                                            *(argv or sys.argv[1:])]),
+                       "setup": {"model": args.model, "bucket_mb": args.bucket_mb,
+                                 "batch": [args.batch_size, args.seq_len],
+                                 "steps": args.steps, "reps": args.reps},
+                       "rows": rows, "source": "measured by the command above"}, f, indent=1)
+            f.write("\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

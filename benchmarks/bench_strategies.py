@@ -41,6 +41,15 @@ def step_time(reports) -> float:
     return max(median_step_time(r) for r in reports)
 
 
+def write_results(path: str, results: dict) -> None:
+    """The table as printed (ms to 0.1, ratios and MiB to 0.01), with the command that
+    produced it: the README's tables are checked against these files."""
+    results = {**results, "source": "measured by the command above"}
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+
+
 def parse_options(items: list[str]) -> dict[str, dict]:
     """["ddp:bucket_mb=4", ...] -> {"ddp": {"bucket_mb": 4.0}}"""
     out: dict[str, dict] = {}
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default="pytorch", choices=sorted(REFERENCES),
                    help="whose implementation the ratio compares with")
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
+    p.add_argument("--results", metavar="PATH",
+                   help="write the printed table as JSON (benchmarks/results/*.json: the "
+                        "files the README's tables are checked against)")
     args = p.parse_args(argv)
 
     options = parse_options(args.option)
@@ -115,6 +127,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio:>6} {state['params'] / MIB:>11.2f} {state['grads'] / MIB:>10.2f} "
               f"{state['optimizer'] / MIB:>10.2f} {r0.peak.get('total', 0) / MIB:>9.2f} "
               f"{ledger_totals(r0)['sent_bytes'] / MIB:>14.2f}")
+    if args.results:
+        rows = {}
+        for s in args.strategies:
+            ref = references.get(s)
+            state, r0 = measured[s][0].state_bytes, measured[s][0]
+            rows[s] = {
+                "step_ms": round(1e3 * median[s], 1),
+                "min_ms": round(1e3 * min(times[s]), 1),
+                "max_ms": round(1e3 * max(times[s]), 1),
+                "reference": ref if ref in median else None,
+                "ratio": round(median[s] / median[ref], 2) if ref in median else None,
+                "params_mib": round(state["params"] / MIB, 2),
+                "grads_mib": round(state["grads"] / MIB, 2),
+                "optimizer_mib": round(state["optimizer"] / MIB, 2),
+                "peak_mib": round(r0.peak.get("total", 0) / MIB, 2),
+                "sent_mib_per_step": round(ledger_totals(r0)["sent_bytes"] / MIB, 2)}
+        write_results(args.results, {
+            "benchmark": "bench_strategies",
+            "command": " ".join(["python benchmarks/bench_strategies.py", *(argv or sys.argv[1:])]),
+            "setup": {"model": args.model, "psi": psi, "precision": args.precision,
+                      "world": args.world, "batch": [args.batch_size, args.seq_len],
+                      "steps": args.steps, "reps": args.reps, "against": args.against},
+            "rows": rows})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"times": times, "median": median,

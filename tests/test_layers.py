@@ -14,7 +14,8 @@ import shardlab
 PACKAGE = Path(shardlab.__file__).parent
 
 LAYERS = {
-    1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap", "manifest", "debugging"},
+    1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap", "manifest", "debugging",
+        "hardware", "network"},
     2: {"strategy"},
     3: {"ddp", "zero", "sharded", "fsdp", "deepspeed_ref", "tensor_parallel"},
     4: {"checkpoint", "viz", "report"},

@@ -242,8 +242,19 @@ def test_transients():
     assert memory.bucket_bytes(25 * 10**6 // 4, "fp32", buckets=2) == 50 * 10**6
     c = memory.get_model("llama-3-8b")  # its root (embeddings, head) outweighs a layer
     assert c.root_params() > c.layer_params()
-    assert memory.gathered_bytes(c) == 2 * (c.root_params() + c.layer_params())
-    assert memory.gathered_bytes(c, prefetch=False) == 2 * c.root_params()
+    # the largest unit's bf16 parameters and its unsharded bf16 gradient, plus a layer
+    # prefetched
+    assert memory.gathered_bytes(c) == 2 * (2 * c.root_params() + c.layer_params())
+    assert memory.gathered_bytes(c, prefetch=False) == 2 * 2 * c.root_params()
+
+
+def test_the_gathered_peak_counts_the_units_gradient():
+    """Chapter 7's table: a Llama-2-70B layer gathered, with its gradient, and the next
+    one prefetched is 3 x 2 bytes per parameter of a layer (its root is smaller)."""
+    c = memory.get_model("llama-2-70b")
+    assert c.layer_params() > c.root_params()
+    assert memory.gathered_bytes(c) == 3 * 2 * c.layer_params()
+    assert memory.gathered_bytes(c, "fp32", prefetch=False) == 2 * 4 * c.layer_params()
 
 
 def test_offload_moves_the_ranks_shard_to_the_host():

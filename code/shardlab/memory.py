@@ -403,12 +403,14 @@ def gathered_unit_bytes(unit_psi, precision: str = "bf16-mixed", prefetch: bool 
 def gathered_bytes(model: str | ModelConfig, precision: str = "bf16-mixed",
                    prefetch: bool = True) -> int:
     """What ZeRO-3/FSDP holds gathered at its worst moment, with one unit per layer and
-    the rest (embeddings, head) as the root unit: the largest unit, and with prefetching
-    a layer gathered beside it."""
+    the rest (embeddings, head) as the root unit: the largest unit during its backward,
+    its parameters and its unsharded gradient (which exists in full until the
+    reduce-scatter), and with prefetching a layer gathered beside it."""
     cfg = _config(model)
     largest = max(cfg.layer_params(), cfg.root_params())
-    return gathered_unit_bytes(largest, precision) + (
-        gathered_unit_bytes(cfg.layer_params(), precision) if prefetch else 0)
+    return (gathered_unit_bytes(largest, precision)
+            + bytes_per_param(precision).grads * largest
+            + (gathered_unit_bytes(cfg.layer_params(), precision) if prefetch else 0))
 
 
 def bucket_bytes(bucket_numel, precision: str = "bf16-mixed", buckets: int = 1) -> int:
