@@ -16,12 +16,15 @@ PACKAGE = Path(shardlab.__file__).parent
 # A split module is a package: its name (its `__init__`, which re-exports the parts) and
 # each part are listed, so that a new part must be given a layer too.
 LAYERS = {
-    1: {"launch", "precision", "measure", "models", "wrap", "manifest", "debugging",
+    1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
+        "precision", "measure", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes"},
     2: {"strategy"},
-    3: {"ddp", "deepspeed_ref", "tensor_parallel",
+    3: {"ddp", "tensor_parallel",
+        "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
+        "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",
         "zero", "zero.buckets", "zero.gather", "zero.optimizer", "zero.stage1", "zero.stage2",
         "zero.strategies", "zero.torch_ref", "zero.timeline",
         "sharded", "sharded.model", "sharded.unit", "zero3",
