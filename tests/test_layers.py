@@ -29,7 +29,8 @@ LAYERS = {
         "zero.strategies", "zero.torch_ref", "zero.timeline",
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe"},
-    4: {"checkpoint", "viz", "report"},
+    4: {"viz", "report",
+        "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export"},
     5: {"train", "demo", "cli", "__main__"},
 }
 
@@ -124,3 +125,20 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
         assert "import cycle" in str(exc)
     else:
         raise AssertionError("a cycle a -> b -> a was not reported")
+
+
+def test_the_checker_sees_submodules(tmp_path, monkeypatch):
+    """A subpackage's parts are modules of their own: a cycle between two parts of one
+    package is reported, and each part is named by its dotted path."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("from shardlab.p.x import f\n")
+    (tmp_path / "p" / "x.py").write_text("from shardlab.p.y import g\n")
+    (tmp_path / "p" / "y.py").write_text("def g():\n    from shardlab.p import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert graph() == {"p": {"p.x"}, "p.x": {"p.y"}, "p.y": {"p.x"}}
+    try:
+        test_the_import_graph_has_no_cycle()
+    except AssertionError as exc:
+        assert "p.x -> p.y -> p.x" in str(exc)
+    else:
+        raise AssertionError("a cycle p.x -> p.y -> p.x was not reported")
