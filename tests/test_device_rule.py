@@ -31,8 +31,8 @@ def factory_calls_without_device(source: str):
 
 
 def test_every_tensor_the_package_makes_names_its_device():
-    found = [f"{path.name}:{line}: {call}(...) without device="
-             for path in sorted(PACKAGE.glob("*.py"))
+    found = [f"{path.relative_to(PACKAGE)}:{line}: {call}(...) without device="
+             for path in sorted(PACKAGE.rglob("*.py"))
              for line, call in factory_calls_without_device(path.read_text())]
     assert not found, ("tensors made without a device (on a GPU node they land on the CPU): "
                        + "; ".join(found))

@@ -13,32 +13,74 @@ import shardlab
 
 PACKAGE = Path(shardlab.__file__).parent
 
+# A split module is a package: its name (its `__init__`, which re-exports the parts) and
+# each part are listed, so that a new part must be given a layer too.
 LAYERS = {
-    1: {"launch", "precision", "comm", "memory", "measure", "models", "wrap", "manifest", "debugging",
-        "hardware", "network"},
+    1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
+        "precision", "measure", "hardware", "network", "models", "wrap", "manifest", "debugging",
+        "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
+        "memory.allocator",
+        "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes"},
     2: {"strategy"},
-    3: {"ddp", "zero", "sharded", "fsdp", "deepspeed_ref", "tensor_parallel"},
-    4: {"checkpoint", "viz", "report"},
+    3: {"ddp", "tensor_parallel",
+        "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
+        "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",
+        "zero", "zero.buckets", "zero.gather", "zero.optimizer", "zero.stage1", "zero.stage2",
+        "zero.strategies", "zero.torch_ref", "zero.timeline",
+        "sharded", "sharded.model", "sharded.unit", "zero3",
+        "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe"},
+    4: {"viz", "report",
+        "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export"},
     5: {"train", "demo", "cli", "__main__"},
 }
 
 
-def imports_of(path: Path) -> set[str]:
+def module_name(path: Path, root: Path) -> str:
+    """A module's name inside the package: `comm` for comm.py or comm/__init__.py,
+    `comm.ring` for comm/ring.py."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules_of(root: Path) -> dict[str, Path]:
+    """Every module of the package, in subpackages too, by name (the package's own
+    `__init__` left out: it imports nothing)."""
+    found = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    found.pop("", None)
+    return found
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+    """The package's modules that `name` (at `path`) imports, by their names in `known`:
+    `from shardlab.comm.ring import x` is `comm.ring`; `from shardlab.comm import ring`
+    is `comm.ring` when ring is a module, else `comm`; relative imports are resolved."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "shardlab":
-                found |= {a.name for a in node.names}
-            elif node.module.startswith("shardlab."):
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + (node.module.split(".") if node.module else []))
+            elif node.module == "shardlab" or (node.module or "").startswith("shardlab."):
+                target = node.module[len("shardlab."):] if node.module != "shardlab" else ""
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names
+            found |= {a.name[len("shardlab."):] for a in node.names
                       if a.name.startswith("shardlab.")}
-    return found - {path.stem}
+    unknown = found - known - {""}
+    assert not unknown, f"{name} imports {sorted(unknown)}, which the package does not have"
+    return found - {name, ""}
 
 
 def graph() -> dict[str, set[str]]:
-    return {p.stem: imports_of(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    modules = modules_of(PACKAGE)
+    return {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
 
 
 def layer_of(module: str) -> int:
@@ -83,3 +125,20 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
         assert "import cycle" in str(exc)
     else:
         raise AssertionError("a cycle a -> b -> a was not reported")
+
+
+def test_the_checker_sees_submodules(tmp_path, monkeypatch):
+    """A subpackage's parts are modules of their own: a cycle between two parts of one
+    package is reported, and each part is named by its dotted path."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("from shardlab.p.x import f\n")
+    (tmp_path / "p" / "x.py").write_text("from shardlab.p.y import g\n")
+    (tmp_path / "p" / "y.py").write_text("def g():\n    from shardlab.p import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert graph() == {"p": {"p.x"}, "p.x": {"p.y"}, "p.y": {"p.x"}}
+    try:
+        test_the_import_graph_has_no_cycle()
+    except AssertionError as exc:
+        assert "p.x -> p.y -> p.x" in str(exc)
+    else:
+        raise AssertionError("a cycle p.x -> p.y -> p.x was not reported")

@@ -126,7 +126,7 @@ def test_zero3_refuses_bad_input(results):
 
 def test_zero3_refuses_unknown_options():
     from shardlab.precision import get_precision
-    from shardlab.sharded import wrap_zero3
+    from shardlab.zero3 import wrap_zero3
 
     with pytest.raises(ValueError, match="prefetch"):
         wrap_zero3(None, get_precision("fp32"), w.OPTIMIZERS["adamw"], {"prefech": True})

@@ -340,7 +340,7 @@ STRATEGIES: dict[str, str] = {
     "zero1": "shardlab.zero:wrap_zero1",
     "zero2": "shardlab.zero:wrap_zero2",
     "torch-zero1": "shardlab.zero:wrap_torch_zero1",
-    "zero3": "shardlab.sharded:wrap_zero3",
+    "zero3": "shardlab.zero3:wrap_zero3",
     "fsdp2": "shardlab.fsdp:wrap_fsdp2",
     "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
     "deepspeed-zero1": "shardlab.deepspeed_ref:wrap_deepspeed_zero1",

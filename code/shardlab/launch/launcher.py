@@ -1,4 +1,4 @@
-"""Run one function of the package on N ranks and collect what each rank returns.
+"""`launch`: run one function of the package on N ranks and collect what each returns.
 
 A notebook cannot host a multi-process job by itself: the ranks must be separate
 processes, started with the *spawn* method (fork would copy the kernel's threads and
@@ -27,25 +27,20 @@ Under `torchrun` there is nothing to spawn: `launch` runs the function in this p
 with the environment's rank and world size, and returns every rank's value (gathered).
 """
 
+
 from __future__ import annotations
 
 import ast
-import contextlib
 import datetime
 import functools
 import importlib
 import os
 import pickle
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import types
-from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -54,96 +49,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.launch.devices import (Placement, choose_placement, place_this_rank,
+                                     visible_gpus)
+from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
+from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_with_parent,
+                                     dismiss_reaper, reclaim_run_dirs, start_reaper,
+                                     stop_ranks, tell_reaper, terminate_as_exit)
+
+
 DEFAULT_TIMEOUT = 300.0
-BACKENDS = ("auto", "gloo", "nccl")
-
-
-class LaunchError(RuntimeError):
-    """A launch that could not start, or whose ranks did not all finish."""
-
-
-class RankFailed(LaunchError):
-    """One rank raised; `rank` names it and `rank_traceback` is its traceback."""
-
-    def __init__(self, rank: int, rank_traceback: str):
-        self.rank = rank
-        self.rank_traceback = rank_traceback
-        super().__init__(f"rank {rank} failed; the other ranks were stopped.\n"
-                         f"--- traceback of rank {rank} ---\n{rank_traceback}")
-
-
-class LaunchTimeout(LaunchError):
-    """The timeout passed while some ranks were still running."""
-
-    def __init__(self, timeout: float, unfinished: list[int]):
-        self.unfinished = unfinished
-        super().__init__(f"timed out after {timeout:g} s; ranks {unfinished} had not finished "
-                         f"and were stopped. Raise `timeout=` if the job is just slow, or look "
-                         f"for a collective that only some ranks call.")
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the ranks of a launch run: the backend, the device type, and in words."""
-
-    backend: str     # "nccl" or "gloo"
-    device: str      # "cuda" or "cpu"
-    description: str
-
-
-def choose_placement(backend: str, device: str, world: int, gpus: int,
-                     nccl_available: bool = True) -> Placement:
-    """The three ways to place ranks, and the refusals, as a pure function:
-
-    * NCCL, one GPU per rank, when there are at least as many GPUs as ranks;
-    * gloo with CUDA tensors, the ranks sharing the GPUs round-robin (rank r on GPU
-      r mod G), when there are GPUs but fewer than ranks: NCCL refuses two ranks on one
-      GPU, gloo does not, and each rank's allocator then measures its own CUDA memory;
-    * gloo on the CPU when there is no GPU (or when asked with device="cpu").
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; use one of {DEVICES}")
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    if device == "cuda" and not gpus:
-        raise LaunchError("device 'cuda' needs a GPU, and torch sees none here; use "
-                          "device='cpu' (or 'auto')")
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" and gpus >= world and nccl_available else "gloo"
-    if backend == "nccl":
-        if not nccl_available:
-            raise LaunchError("backend 'nccl' is not available in this build of torch; use "
-                              "backend='gloo' (or 'auto')")
-        if device == "cpu":
-            raise LaunchError("backend 'nccl' runs on GPUs only; use backend='gloo' for the "
-                              "CPU")
-        if gpus < world:
-            raise LaunchError(f"backend 'nccl' needs one GPU per rank: world={world} but "
-                              f"{gpus} GPU(s) are visible; use backend='gloo' (ranks share "
-                              f"the GPUs) or 'auto', or at most {gpus} ranks")
-        return Placement("nccl", "cuda", f"nccl: {world} rank(s), one GPU each")
-    if device == "cuda":
-        return Placement("gloo", "cuda", f"gloo: {world} rank(s) sharing {min(gpus, world)} "
-                                         f"GPU(s), CUDA tensors")
-    return Placement("gloo", "cpu", f"gloo: {world} rank(s) on the CPU")
-
-
-def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_backend(backend: str, world: int, device: str = "auto") -> str:
-    """The backend a launch of `world` ranks uses here (see `choose_placement`)."""
-    return choose_placement(backend, device, world, visible_gpus(),
-                            dist.is_nccl_available()).backend
 
 
 def check_importable(fn: Callable) -> None:
@@ -231,9 +145,6 @@ def _check_threads(threads: Any) -> int:
     return threads
 
 
-# ----------------------------------------------------------------------------- torchrun
-
-
 def under_torchrun() -> bool:
     """True in a process started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
@@ -250,7 +161,7 @@ def _run_in_this_process(fn, world, args, kwargs, backend, device):
                                  visible_gpus(), dist.is_nccl_available())
     created = not dist.is_initialized()
     if created:
-        _place_this_rank(local_rank, placement)
+        place_this_rank(local_rank, placement)
         dist.init_process_group(placement.backend, init_method="env://")
     try:
         result = fn(*args, **kwargs)
@@ -262,69 +173,10 @@ def _run_in_this_process(fn, world, args, kwargs, backend, device):
             dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- the child
-
-_PLACED: tuple[torch.device, str] | None = None  # this rank's device, and its placement
-
-
-def _place_this_rank(rank: int, placement: Placement) -> None:
-    global _PLACED
-    if placement.device == "cuda":
-        index = rank % visible_gpus()
-        torch.cuda.set_device(index)
-        _PLACED = (torch.device("cuda", index), placement.description)
-    else:
-        _PLACED = (torch.device("cpu"), placement.description)
-
-
-def rank_device() -> torch.device:
-    """The device this rank computes on: its GPU under NCCL, a shared GPU under gloo with
-    CUDA tensors, else the CPU."""
-    if _PLACED is not None:
-        return _PLACED[0]
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def placement() -> str:
-    """How this rank was placed, in words (for the run report)."""
-    if _PLACED is not None:
-        return _PLACED[1]
-    if dist.is_initialized():
-        return f"{dist.get_backend()}: {dist.get_world_size()} rank(s) on {rank_device()}"
-    return f"one process on {rank_device()}"
-
-
-def _end_group() -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)  # this rank and everything it started
-
-
-def _die_with_parent(parent: int) -> None:
-    """If the launching process dies (a killed notebook kernel, kill -9 of a script), this
-    rank and every process it started end too, instead of lingering on ports and cores.
-
-    The rank leads a process group of its own, so that one signal reaches whatever it
-    started; a watchdog thread ends the group as soon as the parent is gone. The parent
-    may already be gone when this runs (it died while the rank was importing torch): then
-    the rank ends at once."""
-    os.setsid()
-    if os.getppid() != parent:
-        _end_group()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.2)
-            if os.getppid() != parent:
-                _end_group()
-
-    threading.Thread(target=watch, name="shardlab-watch-parent", daemon=True).start()
-
-
 def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
                 run_dir: str, threads: int, timeout: float, parent: int,
                 where: Placement) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
     out_dir = Path(run_dir)
     # Redirect the file descriptors, not just sys.stdout, so that prints from C++ (gloo,
     # NCCL) are captured with the rank's own output instead of lost or interleaved.
@@ -338,7 +190,7 @@ def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwa
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world + 1, False,
                               datetime.timedelta(seconds=timeout))
-        _place_this_rank(rank, where)
+        place_this_rank(rank, where)
         dist.init_process_group(where.backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
@@ -358,108 +210,6 @@ def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwa
     os._exit(0)
 
 
-# ----------------------------------------------------------------------------- the parent
-
-RUN_DIR_PREFIX = "shardlab-launch-"
-OWNER = "owner.pid"
-
-
-@dataclass
-class _Rank:
-    rank: int
-    process: Any
-
-
-def _stop(ranks: list[_Rank]) -> None:
-    """End every rank, and every process a rank started (its process group)."""
-    for r in ranks:
-        if r.process.is_alive():
-            r.process.terminate()
-    for r in ranks:
-        r.process.join(timeout=3)
-        if r.process.is_alive():
-            r.process.kill()
-            r.process.join()
-    for r in ranks:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(r.process.pid, signal.SIGKILL)
-
-
-# The reaper: a process without torch (it starts in milliseconds), started before any rank,
-# that holds the read end of a pipe from the launching process. It learns each rank's pid
-# as the rank starts; if the pipe ends without "done" (the launching process was killed,
-# even by SIGKILL), it kills every rank and the process group each rank leads. A rank's
-# own watchdog (`_die_with_parent`) only starts once the rank has imported torch and the
-# launching script, seconds later on a busy machine: the reaper covers those seconds.
-_REAPER = """
-import os, signal, sys
-pids = []
-for line in sys.stdin.buffer:
-    if line.strip() == b"done":
-        sys.exit(0)
-    pids.append(int(line))
-for pid in pids:
-    for kill in (os.kill, os.killpg):
-        try:
-            kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-"""
-
-
-def _start_reaper() -> subprocess.Popen | None:
-    try:  # its own session: a Ctrl-C meant for the launch does not reach it
-        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER],
-                                stdin=subprocess.PIPE, bufsize=0, start_new_session=True)
-    except OSError:
-        return None  # the ranks' watchdogs still end them
-
-
-def _tell_reaper(reaper: subprocess.Popen | None, line: str) -> None:
-    if reaper is None:
-        return
-    with contextlib.suppress(OSError):  # a reaper that is gone has nothing left to do
-        reaper.stdin.write(line.encode() + b"\n")
-
-
-def _dismiss_reaper(reaper: subprocess.Popen | None) -> None:
-    if reaper is None:
-        return
-    _tell_reaper(reaper, "done")
-    with contextlib.suppress(OSError):
-        reaper.stdin.close()
-    try:
-        reaper.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        reaper.kill()
-        reaper.wait()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def reclaim_run_dirs(tmp_root: str | None = None) -> list[Path]:
-    """Remove the run folders of launches whose launching process is dead (killed before
-    it could clean up): each folder names its owner in `owner.pid`."""
-    removed = []
-    for folder in Path(tmp_root or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
-        try:
-            owner = int((folder / OWNER).read_text())
-        except (OSError, ValueError):
-            continue  # not ours to judge (or being created right now)
-        if not _pid_alive(owner):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
 def _print_outputs(run_dir: Path, world: int, prefix: bool) -> None:
     for rank in range(world):
         for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
@@ -471,25 +221,6 @@ def _print_outputs(run_dir: Path, world: int, prefix: bool) -> None:
                 stream.write(f"[rank {rank}] {line}\n" if prefix else f"{line}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def _terminate_as_exit():
-    """SIGTERM to the launching process (a job scheduler, `kill`) unwinds like Ctrl-C, so
-    the ranks are stopped and the run folder removed; only SIGKILL leaves work to the
-    ranks' watchdogs and to the next launch's `reclaim_run_dirs`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def unwind(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, unwind)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
@@ -523,30 +254,30 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     # The parent owns the rendezvous; port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
                           datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    ranks: list[_Rank] = []
+    ranks: list[RankProcess] = []
     reaper = None
-    with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
+    with terminate_as_exit(), tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
         run_dir = Path(tmp)
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:
-            reaper = _start_reaper()
+            reaper = start_reaper()
             for rank in range(world):
                 p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                 args=(rank, world, store.port, fn, args, kwargs, tmp,
                                       threads, timeout, os.getpid(), where), daemon=True)
                 p.start()
-                _tell_reaper(reaper, str(p.pid))
-                ranks.append(_Rank(rank, p))
+                tell_reaper(reaper, str(p.pid))
+                ranks.append(RankProcess(rank, p))
             _wait_all(ranks, run_dir, timeout)
         finally:
-            _stop(ranks)
-            _dismiss_reaper(reaper)
+            stop_ranks(ranks)
+            dismiss_reaper(reaper)
             _print_outputs(run_dir, world, prefix)
             del store
         return [pickle.loads((run_dir / f"rank{r}.result").read_bytes()) for r in range(world)]
 
 
-def _wait_all(ranks: list[_Rank], run_dir: Path, timeout: float) -> None:
+def _wait_all(ranks: list[RankProcess], run_dir: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = {r.process.sentinel: r for r in ranks}
     while pending:

@@ -1,0 +1,33 @@
+"""What a collective costs: ring collectives from send/recv, a ledger of every byte, the
+volumes of ZeRO, and the one shim over torch's renamed collectives.
+
+One idea, *what a collective costs*, in a file per part, so that each reads alone:
+
+    ring.py      the ring collectives, written with nothing but `isend`/`irecv`
+    ledger.py    `with Ledger():` records every collective this rank runs, ring or native,
+                 with its bytes, its launch, its completion and the waits for it
+    records.py   what a record holds, `ring_traffic` (the bytes it counts), and the sums
+    volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring
+    compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
+
+Import from `shardlab.comm` (as every chapter and lab does); the parts import each other
+one way only: compat and records import nothing of the course, the ledger builds on the
+records, the ring on the ledger.
+"""
+
+from shardlab.comm.compat import all_gather_into, reduce_scatter_into
+from shardlab.comm.ledger import Ledger, clock_offset
+from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_step,
+                                   ring_traffic, totals)
+from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
+                                ring_broadcast, ring_reduce_scatter)
+from shardlab.comm.volumes import (STRATEGY_COLLECTIVES, VOLUME_FACTORS, fit_alpha_beta,
+                                   predict_seconds, volume_per_rank)
+
+__all__ = [
+    "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
+    "ring_all_reduce", "ring_broadcast", "check_same_tensor", "CollectiveRecord", "Ledger",
+    "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
+    "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
+    "fit_alpha_beta",
+]

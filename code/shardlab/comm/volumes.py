@@ -1,0 +1,80 @@
+"""The ZeRO paper's volumes and the α-β cost model of a ring, as functions.
+
+`volume_per_rank` is the analysis (bytes a rank sends per step, by strategy);
+`predict_seconds` and `fit_alpha_beta` turn bytes into time and measured records into α
+and β. They are formulas over records, apart from the code that takes the records, so a
+chapter can use them on a machine where nothing runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from shardlab.comm.records import CollectiveRecord, ring_traffic
+
+
+# Multiples of psi (N-1)/N bytes that each strategy sends per rank and step (ring).
+VOLUME_FACTORS = {
+    "single": 0,
+    "ddp": 2, "ddp-naive": 2, "torch-ddp": 2,    # all-reduce the gradients: RS + AG
+    "zero1": 2, "zero2": 2,                      # reduce-scatter grads, all-gather params
+    "torch-zero1": 3,                            # DDP's all-reduce, then N broadcasts
+    "zero3": 3, "fsdp2": 3, "torch-fsdp2": 3,    # AG forward, AG backward, RS gradients
+}
+
+# Which collectives each strategy runs per step, for the tables of the text.
+STRATEGY_COLLECTIVES = {
+    "ddp": "all-reduce of the gradients (2Ψ)",
+    "zero1": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
+    "zero2": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
+    "zero3": "all-gather of the parameters in forward (Ψ) and in backward (Ψ) "
+             "+ reduce-scatter of the gradients (Ψ)",
+}
+
+
+def volume_per_rank(strategy: str, psi: int, world: int, bytes_per_elem: int = 1) -> float:
+    """Bytes one rank sends per training step in the ZeRO paper's analysis, on a ring.
+
+    DDP all-reduces Ψ gradients: 2Ψ(N-1)/N. ZeRO-1 and ZeRO-2 reduce-scatter the gradients
+    and all-gather the updated parameters: the same 2Ψ(N-1)/N. ZeRO-3 / FSDP all-gather
+    the parameters twice (forward and backward) and reduce-scatter the gradients:
+    3Ψ(N-1)/N. Multiply by `bytes_per_elem` for bytes (2 for bf16, 4 for fp32).
+    """
+    if strategy not in VOLUME_FACTORS:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(VOLUME_FACTORS)}")
+    if world < 1 or psi < 0:
+        raise ValueError(f"need world >= 1 and psi >= 0, got world={world}, psi={psi}")
+    return VOLUME_FACTORS[strategy] * psi * bytes_per_elem * (world - 1) / world
+
+
+def predict_seconds(op: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
+    """α-β time of a ring collective over a tensor of `nbytes`:
+
+        time = rounds x (α + bytes per round / β)
+
+    α: the fixed cost of one round (latency, s); β: bandwidth (bytes/s).
+    """
+    _, _, rounds, round_bytes = ring_traffic(op, nbytes, world, 1)
+    return rounds * (alpha + round_bytes / beta)
+
+
+def fit_alpha_beta(records: Iterable[CollectiveRecord]) -> tuple[float, float]:
+    """Least-squares (α, β) of `seconds ≈ α·rounds + rounds·round_bytes/β`.
+
+    Rows are weighted by 1/seconds, so a 10 µs and a 10 ms collective count alike (the
+    error that matters is relative).
+    """
+    rows = [r for r in records if r.rounds > 0 and r.seconds > 0]
+    if len(rows) < 2:
+        raise ValueError("fit_alpha_beta needs at least two timed ring collectives "
+                         "(world >= 2) of different sizes")
+    x = torch.tensor([[r.rounds, r.rounds * r.round_bytes] for r in rows], dtype=torch.float64,
+                     device="cpu")
+    y = torch.tensor([r.seconds for r in rows], dtype=torch.float64, device="cpu")
+    w = 1.0 / y
+    solution = torch.linalg.lstsq(x * w[:, None], (y * w)[:, None]).solution.flatten()
+    alpha, inverse_beta = float(solution[0]), float(solution[1])
+    return max(alpha, 0.0), (1.0 / inverse_beta if inverse_beta > 0 else math.inf)

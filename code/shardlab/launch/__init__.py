@@ -1,0 +1,28 @@
+"""Run one function of the package on N ranks and collect what each rank returns.
+
+    >>> from shardlab.launch import launch
+    >>> from shardlab.demo import whoami
+    >>> launch(whoami, world=4)          # one value per rank, in rank order
+
+A file per part:
+
+    launcher.py  `launch`: start the ranks (spawned), wait, collect; or run under torchrun
+    devices.py   placement: NCCL with a GPU per rank, gloo sharing GPUs, gloo on the CPU;
+                 `rank_device()`, the device this rank computes on
+    hygiene.py   no process outlives a launch: stopping ranks, the reaper, the watchdog,
+                 SIGTERM, the run folders of dead launches
+    errors.py    `LaunchError`, `RankFailed`, `LaunchTimeout`
+"""
+
+from shardlab.launch.devices import (BACKENDS, DEVICES, Placement, choose_placement,
+                                     placement, rank_device, resolve_backend, visible_gpus)
+from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
+from shardlab.launch.hygiene import OWNER, RUN_DIR_PREFIX, reclaim_run_dirs
+from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
+                                      launch, under_torchrun)
+
+__all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_placement",
+           "resolve_backend", "visible_gpus", "Placement", "BACKENDS", "DEVICES",
+           "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
+           "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
+           "RUN_DIR_PREFIX"]

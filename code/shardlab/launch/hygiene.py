@@ -1,0 +1,167 @@
+"""Process hygiene: no process of a launch outlives it, whatever happens to the launcher.
+
+Stopping the ranks and whatever they started (`stop_ranks`), a reaper process that kills
+them if the launching process is killed, even by SIGKILL, a watchdog in each rank that
+ends it when its parent is gone (`die_with_parent`), SIGTERM unwound like Ctrl-C, and the
+run folders of dead launches removed. The hard-won part of the launcher, kept apart so
+that `launch` itself reads as start, wait, collect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+RUN_DIR_PREFIX = "shardlab-launch-"
+OWNER = "owner.pid"
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    process: Any
+
+
+def stop_ranks(ranks: list[RankProcess]) -> None:
+    """End every rank, and every process a rank started (its process group)."""
+    for r in ranks:
+        if r.process.is_alive():
+            r.process.terminate()
+    for r in ranks:
+        r.process.join(timeout=3)
+        if r.process.is_alive():
+            r.process.kill()
+            r.process.join()
+    for r in ranks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(r.process.pid, signal.SIGKILL)
+
+
+def end_group() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # this rank and everything it started
+
+
+def die_with_parent(parent: int) -> None:
+    """If the launching process dies (a killed notebook kernel, kill -9 of a script), this
+    rank and every process it started end too, instead of lingering on ports and cores.
+
+    The rank leads a process group of its own, so that one signal reaches whatever it
+    started; a watchdog thread ends the group as soon as the parent is gone. The parent
+    may already be gone when this runs (it died while the rank was importing torch): then
+    the rank ends at once."""
+    os.setsid()
+    if os.getppid() != parent:
+        end_group()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                end_group()
+
+    threading.Thread(target=watch, name="shardlab-watch-parent", daemon=True).start()
+
+
+# The reaper: a process without torch (it starts in milliseconds), started before any rank,
+# that holds the read end of a pipe from the launching process. It learns each rank's pid
+# as the rank starts; if the pipe ends without "done" (the launching process was killed,
+# even by SIGKILL), it kills every rank and the process group each rank leads. A rank's
+# own watchdog (`die_with_parent`) only starts once the rank has imported torch and the
+# launching script, seconds later on a busy machine: the reaper covers those seconds.
+_REAPER = """
+import os, signal, sys
+pids = []
+for line in sys.stdin.buffer:
+    if line.strip() == b"done":
+        sys.exit(0)
+    pids.append(int(line))
+for pid in pids:
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def start_reaper() -> subprocess.Popen | None:
+    try:  # its own session: a Ctrl-C meant for the launch does not reach it
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER],
+                                stdin=subprocess.PIPE, bufsize=0, start_new_session=True)
+    except OSError:
+        return None  # the ranks' watchdogs still end them
+
+
+def tell_reaper(reaper: subprocess.Popen | None, line: str) -> None:
+    if reaper is None:
+        return
+    with contextlib.suppress(OSError):  # a reaper that is gone has nothing left to do
+        reaper.stdin.write(line.encode() + b"\n")
+
+
+def dismiss_reaper(reaper: subprocess.Popen | None) -> None:
+    if reaper is None:
+        return
+    tell_reaper(reaper, "done")
+    with contextlib.suppress(OSError):
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_run_dirs(tmp_root: str | None = None) -> list[Path]:
+    """Remove the run folders of launches whose launching process is dead (killed before
+    it could clean up): each folder names its owner in `owner.pid`."""
+    removed = []
+    for folder in Path(tmp_root or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            owner = int((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge (or being created right now)
+        if not pid_alive(owner):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def terminate_as_exit():
+    """SIGTERM to the launching process (a job scheduler, `kill`) unwinds like Ctrl-C, so
+    the ranks are stopped and the run folder removed; only SIGKILL leaves work to the
+    ranks' watchdogs and to the next launch's `reclaim_run_dirs`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,122 @@
+"""Model configurations: the shapes of published transformers, enough to count Ψ.
+
+GPT-2 (and GPT-3 175B) and Llama 2/3 as their config.json files give them, and Mixtral's
+mixture of experts. A module of its own because it is data the formulas are applied to,
+not a formula: the activations and the planner read a `ModelConfig`, the stage formulas
+only its Ψ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, enough to count its parameters and the
+    activations a layer keeps.
+
+    style "gpt2": learned positions, LayerNorm (weight and bias), biases everywhere,
+    a GELU MLP of two matrices, dropout after attention and after the MLP (GPT-2 and
+    GPT-3 train with it). style "llama": rotary positions (no parameters), RMSNorm
+    (weight only), no biases, a SwiGLU MLP of three matrices, grouped-query attention, no
+    dropout. `experts` > 1 makes every MLP a mixture of that many SwiGLU experts, each
+    token sent to `top_k` of them by a linear router (Mixtral's layer).
+    """
+
+    name: str
+    style: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    positions: int = 0  # learned position embeddings (GPT-2 only)
+    experts: int = 1  # MLP experts per layer (1: a dense MLP)
+    top_k: int = 1  # experts each token is routed to
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def mlp(self) -> str:
+        return "gelu" if self.style == "gpt2" else "swiglu"
+
+    @property
+    def dropout(self) -> bool:
+        return self.style == "gpt2"
+
+    def expert_params(self) -> int:
+        """Parameters of one MLP expert (of the dense MLP when experts == 1)."""
+        h, f = self.hidden, self.ffn
+        return h * f + f + f * h + h if self.mlp == "gelu" else 3 * h * f
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        router = h * self.experts if self.experts > 1 else 0
+        mlp = self.experts * self.expert_params() + router
+        if self.style == "gpt2":
+            attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h  # qkv and output
+            norms = 2 * 2 * h
+        else:
+            attention = h * (h + 2 * kv) + h * h
+            norms = 2 * h
+        return attention + mlp + norms
+
+    def root_params(self) -> int:
+        """Everything outside the layers: embeddings, final norm, untied head (the root
+        unit of ZeRO-3 / FSDP when each layer is a unit of its own)."""
+        return self.num_params() - self.layers * self.layer_params()
+
+    def num_params(self) -> int:
+        h = self.hidden
+        embedding = self.vocab * h + self.positions * h
+        head = 0 if self.tied else self.vocab * h
+        final_norm = 2 * h if self.style == "gpt2" else h
+        return embedding + self.layers * self.layer_params() + final_norm + head
+
+
+def _gpt2(name, layers, hidden, heads):
+    return ModelConfig(name, "gpt2", layers, hidden, heads, heads, 4 * hidden, 50257,
+                       tied=True, positions=1024)
+
+
+def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, experts=1, top_k=1):
+    return ModelConfig(name, "llama", layers, hidden, heads, kv_heads, ffn, vocab, tied=False,
+                       experts=experts, top_k=top_k)
+
+
+# Configurations as published with the models (Hugging Face config.json files).
+MODELS: dict[str, ModelConfig] = {c.name: c for c in [
+    _gpt2("gpt2-small", 12, 768, 12),
+    _gpt2("gpt2-medium", 24, 1024, 16),
+    _gpt2("gpt2-large", 36, 1280, 20),
+    _gpt2("gpt2-xl", 48, 1600, 25),
+    # GPT-3 175B (Brown et al., 2020, table 2.1): the layer Korthikanti et al. count
+    ModelConfig("gpt3-175b", "gpt2", 96, 12288, 96, 96, 4 * 12288, 50257, tied=True,
+                positions=2048),
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256),
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2),
+]}
+
+
+def get_model(name: str) -> ModelConfig:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
+    return MODELS[name]
+
+
+def num_params(model: str | ModelConfig) -> int:
+    """Ψ of a model preset, counted from its architecture."""
+    return (get_model(model) if isinstance(model, str) else model).num_params()
+
+
+def as_config(model: str | ModelConfig) -> ModelConfig:
+    return get_model(model) if isinstance(model, str) else model

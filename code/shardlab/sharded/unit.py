@@ -1,0 +1,321 @@
+"""One unit of the schedule: its two states, its hooks, and its collectives.
+
+`ShardedUnit` is what a unit does during a step, whatever its layout: unshard before
+forward and backward (all-gather), reshard after (free), reduce-scatter the gradients
+after backward, each at the hook PyTorch gives for that moment. What it gathers and
+scatters, and where each parameter lives in the buffers, is the layout's: a subclass
+(`shardlab.zero3.FlatUnit`, `shardlab.fsdp.PerParamUnit`) supplies the methods listed
+in the class's docstring. Kept apart from the model-wide state (`shardlab.sharded.model`)
+so that one unit's life in a step reads top to bottom in one class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.sharded.model import ParamSlot, ShardedModel
+
+
+# A timeline of the schedule, for the chapters: when set to a list (see `tracing`), every
+# unit appends (seconds, unit name, what, "start" | "end"). Off, it costs one check.
+TRACE: list | None = None
+
+
+@contextlib.contextmanager
+def tracing():
+    """Record the schedule's events in this process: all-gathers and reduce-scatters
+    (from their launch to their completion), forward and backward compute, frees."""
+    global TRACE
+    TRACE = events = []
+    try:
+        yield events
+    finally:
+        TRACE = None
+
+
+def _trace(unit, what: str, edge: str) -> None:
+    if TRACE is not None:
+        TRACE.append((time.perf_counter(), unit.name, what, edge))
+
+
+def _trace_completion(unit, what: str, work) -> bool:
+    """Mark the end of a collective when the backend finishes it, not when it is waited.
+    False if the backend cannot say (gloo's reduce-scatter): the waiter marks it then."""
+    if TRACE is None:
+        return True
+    events = TRACE
+    try:
+        work.get_future().then(lambda _: events.append(
+            (time.perf_counter(), unit.name, what, "end")))
+    except RuntimeError:
+        return False
+    return True
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"      # only this rank's shard exists
+    UNSHARDED = "unsharded"  # the full parameters exist and are registered on the modules
+
+
+def set_param(module: nn.Module, attr: str, value: nn.Parameter) -> None:
+    # Swap the tensor a module computes with, without nn.Module.__setattr__'s checks: this
+    # runs twice per unit per phase, and the registration itself is unchanged.
+    module._parameters[attr] = value
+
+
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs, whose backward marks the end of the unit's.
+
+    Autograd computes the gradient of a unit's *inputs* only after everything inside the
+    unit, so when this node's backward runs the unit's parameter gradients are complete:
+    the moment to reduce-scatter them. (A unit whose inputs need no gradient, like the
+    root with token ids, is finished by the end-of-backward callback instead.)
+    """
+
+    @staticmethod
+    def forward(ctx, unit: "ShardedUnit", *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+class ShardedUnit:
+    """The schedule of one unit; a subclass supplies the layout of its flat buffer.
+
+    A layout defines, with S = `shard_numel` elements per rank:
+      start_all_gathers()           launch the all-gather(s) of this rank's S elements
+      use_gathered()                make the full parameters from what was gathered
+      free_unsharded()              release the full parameters' memory
+      reduce_scatter_input(grads)   the N*S buffer of full gradients (padded), in reduce dtype
+      add_sharded_grads(reduced)    store / accumulate this rank's S reduced elements
+      register_sharded()            make the modules hold the shards again
+      gather_full(rank0_only)       {name: full tensor} in the shards' own dtype
+      pieces(masters, optimizer)    this rank's pieces of each parameter, for checkpoints
+    """
+
+    def __init__(self, module: nn.Module, slots: list[ParamSlot], *, group=None,
+                 reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, offload: bool = False,
+                 device: torch.device | None = None):
+        self.module = module
+        self.slots = slots
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.offload = offload  # shards, their gradients and the optimizer step on the CPU
+        self.device = device or torch.device("cpu")  # where forward and backward compute
+        self.state = ShardedState.SHARDED
+        self.pending_gather = None           # the works of the all-gathers in flight
+        self.pending_reduce = None           # (work, input, output) of a reduce-scatter
+        self.unsharded_params: list[nn.Parameter] = []
+        self.forward_prefetch: list[ShardedUnit] = []
+        self.backward_prefetch: list[ShardedUnit] = []
+        self.requires_gradient_sync = True
+        self.needs_post_backward = False     # set in forward, cleared once grads are reduced
+        self.pre_backward_done = False
+        self.model_state: ShardedModel | None = None  # set by the root at its first forward
+        self.name = type(module).__name__            # its path in the model, once known
+        self.cast_inputs = False  # mixed precision: cast floating inputs to param_dtype
+        self.handles = []
+
+    # ------------------------------------------------------------------ the two states
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or do) the all-gather of this unit; `wait_for_unshard` finishes it."""
+        if self.state is ShardedState.UNSHARDED or self.pending_gather is not None:
+            return
+        if not self.slots:  # a root whose children hold every parameter
+            self.state = ShardedState.UNSHARDED
+            return
+        _trace(self, "all-gather", "start")
+        works = self.start_all_gathers()
+        _trace_completion(self, "all-gather", works[-1])
+        self.pending_gather = works
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.pending_gather is None:
+            return
+        for work in self.pending_gather:
+            work.wait()
+        self.pending_gather = None
+        self.use_gathered()
+        for slot, p in zip(self.slots, self.unsharded_params):
+            for module, attr in slot.owners:
+                set_param(module, attr, p)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules hold the shards again."""
+        if self.pending_gather is not None:  # a prefetch that was never used
+            self.wait_for_unshard()
+        if self.state is ShardedState.SHARDED:
+            return
+        _trace(self, "free", "start")
+        self.free_unsharded()
+        self.register_sharded()
+        self.state = ShardedState.SHARDED
+
+    # ------------------------------------------------------------------ the hooks
+
+    def pre_forward(self, module, args, kwargs):
+        if self.model_state is None:  # the first forward of the root builds the model state
+            ShardedModel.from_root(self)
+        if self.model_state.root is self:
+            args, kwargs = self.model_state.root_pre_forward(args, kwargs)
+        if self.cast_inputs and self.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
+        self.unshard()
+        self.wait_for_unshard()
+        for unit in self.forward_prefetch or self.model_state.implicit_forward_prefetch(self):
+            unit.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            self.model_state.record_forward(self)
+            self.needs_post_backward = True
+            self.pre_backward_done = False
+            args, kwargs = self.register_post_backward(args, kwargs)
+        _trace(self, "forward", "start")
+        return args, kwargs
+
+    def register_post_backward(self, args, kwargs):
+        """Route the unit's inputs that need a gradient through `RegisterPostBackward`,
+        positional or by keyword (Hugging Face layers take `hidden_states=` either way)."""
+        def needs_grad(a):
+            return isinstance(a, torch.Tensor) and a.requires_grad
+
+        flat = [a for a in args if needs_grad(a)] + [v for v in kwargs.values()
+                                                     if needs_grad(v)]
+        if not flat:
+            return args, kwargs
+        outs = iter(RegisterPostBackward.apply(self, *flat))
+        args = tuple(next(outs) if needs_grad(a) else a for a in args)
+        kwargs = {k: next(outs) if needs_grad(v) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def post_forward(self, module, args, kwargs, output):
+        _trace(self, "forward", "end")
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard()
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self.pre_backward)
+        return output
+
+    def pre_backward(self, grad):
+        if not self.pre_backward_done:
+            self.pre_backward_done = True
+            self.model_state.queue_end_of_backward()
+            self.unshard()
+            self.wait_for_unshard()
+            for unit in self.backward_prefetch_targets():
+                unit.unshard(async_op=True)
+            _trace(self, "backward", "start")
+        return grad
+
+    def backward_prefetch_targets(self) -> list["ShardedUnit"]:
+        if self.backward_prefetch:
+            return self.backward_prefetch
+        return self.model_state.implicit_backward_prefetch(self)
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this unit's gradients into the shards; free the full buffers."""
+        if not self.needs_post_backward:
+            return
+        self.needs_post_backward = False
+        _trace(self, "backward", "end")
+        if self.state is ShardedState.UNSHARDED and self.requires_gradient_sync:
+            grads = [p.grad for p in self.unsharded_params]
+            if any(g is not None for g in grads):
+                self.reduce_scatter_grads(grads)
+            for p in self.unsharded_params:
+                p.grad = None
+        # Without gradient sync (accumulation) the full gradients stay on the unsharded
+        # parameters, where the next micro-batch's backward adds to them.
+        self.reshard()
+
+    def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Start the reduce-scatter and return: it runs while the unit before this one
+        computes its backward, and is finished (`finish_reduce`) before the next one
+        starts or at the end of backward."""
+        # One reduce-scatter in flight at a time: the previous unit's finishes first, so
+        # at most one extra unit of gradient buffers is alive, as in FSDP2.
+        self.model_state.finish_reduces()
+        full = self.reduce_scatter_input(grads)
+        reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
+        _trace(self, "reduce-scatter", "start")
+        work = reduce_scatter_into(reduced, full, group=self.group, async_op=True)
+        timed = _trace_completion(self, "reduce-scatter", work)
+        self.pending_reduce = (work, full, reduced, timed)  # `full` lives until it is done
+
+    def finish_reduce(self) -> None:
+        if self.pending_reduce is None:
+            return
+        work, _, reduced, timed = self.pending_reduce
+        work.wait()
+        if not timed:
+            _trace(self, "reduce-scatter", "end")
+        self.pending_reduce = None
+        reduced.div_(self.world)  # the mean over ranks of the per-rank mean losses
+        self.add_sharded_grads(reduced)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def install_hooks(self) -> None:
+        self.handles = [
+            self.module.register_forward_pre_hook(self.pre_forward, prepend=True,
+                                                  with_kwargs=True),
+            self.module.register_forward_hook(self.post_forward, with_kwargs=True),
+        ]
+
+    def shard_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload else self.device
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
+
+
+def gather_shard(shard: torch.Tensor, world: int, group, rank0_only: bool):
+    """All ranks' shards concatenated (on rank 0 only, if asked), on the CPU."""
+    shard = shard.detach().contiguous()
+    if rank0_only:
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.gather(shard, parts if dist.get_rank(group) == 0 else None,
+                    dst=dist.get_global_rank(group, 0) if group is not None else 0,
+                    group=group)
+        return torch.cat(parts).cpu() if dist.get_rank(group) == 0 else None
+    full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
+    all_gather_into(full, shard, group=group)
+    return full.cpu()

@@ -1,0 +1,84 @@
+"""The strategies `zero1` and `zero2`: a model and an optimizer spec in, the contract out.
+
+Apart from the optimizers because a strategy is a recipe over them (check the options,
+cast the model, choose the stage's class, say how the full parameters and the checkpoint
+pieces are read), the part every strategy of the course writes the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardlab.precision import Precision
+from shardlab.strategy import (OptimizerSpec, Wrapped, cast_model, check_options,
+                               check_same_on_all_ranks, named_full_parameters)
+from shardlab.zero.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, check_bucket_numel
+from shardlab.zero.stage1 import Zero1Optimizer
+from shardlab.zero.stage2 import Zero2Optimizer
+
+# Options of wrap_zero1 / wrap_zero2, with their defaults.
+ZERO_OPTIONS: dict[str, Any] = {
+    # MB (2**20 bytes) of parameters per bucket (see shardlab.zero.buckets).
+    "bucket_mb": DEFAULT_BUCKET_MB,
+    # The same size in elements instead (the earlier spelling); give one or the other.
+    "bucket_numel": None,
+    # Hide the parameters' all-gather behind the optimizer step and the next forward.
+    "overlap_all_gather": True,
+    # None (one group: all trainable parameters) or a function model -> parameter groups
+    # (a list of dicts, as for any torch.optim optimizer).
+    "param_groups": None,
+}
+# The optimizer of each stage.
+STAGE_OPTIMIZERS = {1: Zero1Optimizer, 2: Zero2Optimizer}
+
+
+def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    opts = check_options(f"zero{stage}", options, ZERO_OPTIONS)
+    if "bucket_mb" in options and "bucket_numel" in options:
+        raise ValueError("give the bucket size once: bucket_mb (MB) or bucket_numel "
+                         "(elements), not both")
+    if opts["bucket_numel"] is not None:
+        check_bucket_numel(opts["bucket_numel"])
+    else:
+        check_bucket_mb(opts["bucket_mb"])
+    if not isinstance(opts["overlap_all_gather"], bool):
+        raise ValueError(f"overlap_all_gather must be True or False, got "
+                         f"{opts['overlap_all_gather']!r}")
+    if opts["param_groups"] is not None and not callable(opts["param_groups"]):
+        raise ValueError(f"param_groups must be None or a function model -> list of "
+                         f"parameter groups, got {type(opts['param_groups']).__name__}")
+    check_same_on_all_ranks(list(model.named_parameters()))
+    model = cast_model(model, precision)
+    params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
+    zero = STAGE_OPTIMIZERS[stage](
+        params, optimizer.cls, master_weights=precision.master_weights,
+        bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
+        overlap_all_gather=opts["overlap_all_gather"], module=model,
+        param_order=[p for p in model.parameters() if p.requires_grad], **optimizer.kwargs)
+
+    def full_parameters() -> dict[str, torch.Tensor]:
+        zero.wait_for_params()
+        return named_full_parameters(model)
+
+    # no_sync is not needed: stage 1 reduces only in step(), so micro-batches accumulate
+    # locally; stage 2 reduces every micro-batch and accumulates into the shard.
+    return Wrapped(model, zero, full_parameters=full_parameters,
+                   pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all)
+
+
+def wrap_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """ZeRO-1: optimizer state sharded 1/N; gradients reduce-scattered in step()."""
+    return _wrap_zero(1, model, precision, optimizer, options)
+
+
+def wrap_zero2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               options: dict) -> Wrapped:
+    """ZeRO-2: optimizer state and gradients sharded 1/N; buckets reduce-scattered
+    during backward."""
+    return _wrap_zero(2, model, precision, optimizer, options)
+
