@@ -39,10 +39,9 @@ class Zero2Optimizer(ZeroOptimizer):
         self._prepare_backward_hooks(param_order)
 
     def sharded_grads(self, g: FlatGroup) -> torch.Tensor:
-        return g.grad_shard
+        return g.grad_shard  # reduced during backward: the step only reads it
 
-    def kept_grads(self, g: FlatGroup) -> torch.Tensor:
-        return g.grad_shard
+    kept_grads = sharded_grads  # and it is all the gradient a rank keeps between steps
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
