@@ -194,6 +194,10 @@ def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwa
         dist.init_process_group(where.backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
+        # No rank leaves before every rank is done: a function that runs no collective
+        # can return while a peer is still connecting to it, and the peer's connection
+        # then fails ("Connection closed by peer") on a busy machine.
+        dist.barrier()
         tmp = out_dir / f"rank{rank}.result.tmp"
         tmp.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
         tmp.rename(out_dir / f"rank{rank}.result")
