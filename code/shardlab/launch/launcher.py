@@ -194,13 +194,14 @@ def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwa
         dist.init_process_group(where.backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
-        # No rank leaves before every rank is done: a function that runs no collective
-        # can return while a peer is still connecting to it, and the peer's connection
-        # then fails ("Connection closed by peer") on a busy machine.
-        dist.barrier()
         tmp = out_dir / f"rank{rank}.result.tmp"
         tmp.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
         tmp.rename(out_dir / f"rank{rank}.result")
+        # No rank leaves before every rank is done: a function that runs no collective
+        # can return while a peer is still connecting to it, and the peer's connection
+        # then fails ("Connection closed by peer") on a busy machine. The result is
+        # written first, so a timeout still names only the ranks that had not finished.
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         (out_dir / f"rank{rank}.error").write_text(traceback.format_exc())
@@ -287,7 +288,10 @@ def _wait_all(ranks: list[RankProcess], run_dir: Path, timeout: float) -> None:
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise LaunchTimeout(timeout, sorted(r.rank for r in pending.values()))
+            # a rank waiting for its peers after writing its result has finished
+            raise LaunchTimeout(timeout, sorted(
+                r.rank for r in pending.values()
+                if not (run_dir / f"rank{r.rank}.result").exists()))
         for sentinel in wait(list(pending), timeout=min(remaining, 1.0)):
             r = pending.pop(sentinel)
             r.process.join()
