@@ -19,7 +19,7 @@ PACKAGE = Path(shardlab.__file__).parent
 # each part are listed, so that a new part must be given a layer too.
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
-        "precision", "measure", "hardware", "network", "models", "wrap", "manifest", "debugging",
+        "precision", "measure", "clock", "hardware", "network", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes"},
@@ -33,7 +33,7 @@ LAYERS = {
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe"},
     4: {"viz", "report",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export"},
-    5: {"train", "demo", "cli", "__main__"},
+    5: {"config", "train", "demo", "cli", "__main__"},
 }
 
 

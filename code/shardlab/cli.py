@@ -21,7 +21,8 @@ from shardlab.launch import BACKENDS, DEVICES, LaunchError, RankFailed, under_to
 from shardlab.models import MODEL_NAMES, build_model
 from shardlab.report import report_to_json, summary_table
 from shardlab.strategy import OPTIMIZERS, STRATEGIES
-from shardlab.train import TrainConfig, check_writable_folder, run
+from shardlab.config import TrainConfig, check_writable_folder
+from shardlab.train import run
 from shardlab.wrap import unit_modules
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,63 +306,6 @@ def production_metrics(reports: list[RunReport]) -> list[dict[str, Any]]:
             "memory_limit_crossing": report.memory_limit_crossing,
         })
     return summaries
-
-
-# ----------------------------------------------------------------------------- the loop's clock
-
-
-class StepClock:
-    """The loop's timestamps of one step: `with clock.phase("forward"): ...`, and
-    `clock.watch_backward(loss)` before `loss.backward()` to note when autograd's own
-    computation ends (what follows, before `backward()` returns, is a wrapper's waiting:
-    DDP's last buckets, ZeRO-2's last reduce-scatters)."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, float, float]] = []
-
-    def phase(self, what: str):
-        return _Phase(self, what)
-
-    def watch_backward(self, loss: torch.Tensor) -> None:
-        if not loss.requires_grad:
-            return
-        from torch.autograd import Variable
-
-        def note_end() -> None:
-            self._computed = _now()
-
-        def on_first_gradient(grad):
-            # queued first, so it runs before any wrapper's end-of-backward callback
-            Variable._execution_engine.queue_callback(note_end)
-            return grad
-
-        loss.register_hook(on_first_gradient)
-        self._computed = None
-
-    def close_backward(self, end: float) -> None:
-        computed = getattr(self, "_computed", None)
-        if computed is not None and end > computed:
-            self.spans.append(("end of backward", computed, end))
-        self._computed = None
-
-
-class _Phase:
-    def __init__(self, clock: StepClock, what: str):
-        self.clock, self.what = clock, what
-
-    def __enter__(self) -> "_Phase":
-        self.begin = _now()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        end = _now()
-        self.clock.spans.append((self.what, self.begin, end))
-        if self.what == "backward":
-            self.clock.close_backward(end)
-
-
-def _now() -> float:
-    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------- output

@@ -9,9 +9,8 @@ contract that makes that so):
 
 On top of it:
 
-* `TrainConfig` names a run (strategy, world size, model, precision, optimizer, steps,
-  batch, gradient accumulation, options) and `validate()` refuses what cannot run before
-  any process starts;
+* `TrainConfig` (`shardlab.config`) names a run, and `validate()` refuses what cannot
+  run before any process starts;
 * `train_worker(config)` is one rank's run: build the model (`shardlab.models`), wrap
   it, train on this rank's rows of each global batch with the collective ledger
   (`shardlab.comm`) open, measure model states and the last step's peak
@@ -29,9 +28,8 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,157 +41,12 @@ from shardlab.debugging import (check_memory_limit, check_straggler, memory_limi
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
                              rank_device, under_torchrun)
 from shardlab.measure import state_bytes, track_peak
-from shardlab.models import MODEL_NAMES, build_model, check_batch_split, get_batch, loss_fn
+from shardlab.clock import StepClock
+from shardlab.config import TrainConfig, checkpoint_roots
+from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
-from shardlab.report import RunReport, StepClock, ledger_totals, median_step_time
-from shardlab.strategy import (Wrapped, checkpoint_refusal, get_strategy,
-                               named_full_parameters, optimizer_spec)
-
-# ----------------------------------------------------------------------------- the config
-
-@dataclass
-class TrainConfig:
-    strategy: str = "single"
-    world: int = 1
-    model: str = "gpt-tiny"
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    steps: int = 10
-    batch_size: int = 8  # the global batch of one optimizer step, split among ranks
-    seq_len: int = 32
-    grad_accum: int = 1  # micro-batches per step (each rank's rows split this many ways)
-    seed: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
-    measure_memory: bool = True
-    record_ledger: bool = True
-    keep_params: bool = False
-    # Checkpoints (shardlab.checkpoint): save after every `save_every` steps into
-    # `checkpoint_dir`; `resume`: True for the newest complete checkpoint there, or the
-    # path of one (it may come from another world size); then train up to `steps`.
-    save_every: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool | str = False
-    # A full, unsharded state dict written by rank 0 after training (torch.save).
-    export_path: str | None = None
-    # To rehearse a failure: rank `crash_rank` raises at the start of step `crash_at_step`.
-    crash_at_step: int | None = None
-    crash_rank: int = 0
-    # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
-    # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
-    model_config: dict[str, Any] | None = None
-    # Resume from a checkpoint shardlab did not write (PyTorch's own `dcp.save`): it has
-    # no manifest to verify, so it is read only when asked (its metadata still safely).
-    trust_checkpoint: bool = False
-    # Production failures rehearsed on purpose (`shardlab.debugging`): rank `slow_rank`
-    # sleeps `slow_seconds` before every forward (a straggler); `recompute` recomputes
-    # each layer's activations in backward; `memory_limit` (bytes) notes where the
-    # tracked last step first holds more than that (RunReport.memory_limit_crossing).
-    slow_rank: int | None = None
-    slow_seconds: float = 0.0
-    recompute: bool = False
-    memory_limit: int | None = None
-
-    def validate(self) -> "TrainConfig":
-        """Raise, before any process starts, on anything that cannot run."""
-        get_strategy(self.strategy)
-        get_precision(self.precision)
-        optimizer_spec(self.optimizer, self.lr)
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
-        for name in ("world", "steps", "batch_size", "seq_len", "grad_accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        check_batch_split(self.batch_size, self.world, self.grad_accum)
-        if not isinstance(self.options, dict):
-            raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) \
-                or self.save_every < 0:
-            raise ValueError(f"save_every must be a whole number >= 0 (0: never), got "
-                             f"{self.save_every!r}")
-        if (self.save_every or self.resume is True) and not self.checkpoint_dir:
-            raise ValueError("save_every and resume=True need checkpoint_dir, the folder "
-                             "that holds the checkpoints")
-        if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
-            raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
-                             f"got {self.crash_rank!r}")
-        if self.model_config is not None and not isinstance(self.model_config, dict):
-            raise ValueError(f"model_config must be a dict of the architecture's settings, "
-                             f"got {type(self.model_config).__name__}")
-        asked = [name for name in ("save_every", "resume", "export_path") if getattr(self, name)]
-        refusal = checkpoint_refusal(self.strategy) if asked else None
-        if refusal:
-            raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
-                             f"shardlab's checkpoints: {refusal}")
-        if self.save_every:
-            check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
-        if self.export_path:
-            check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
-        return self
-
-    def check_resume(self) -> int:
-        """The step the run resumes at (0 without resume), read from the checkpoint's
-        marker before any process starts; refuse a resume with nothing left to train."""
-        if not self.resume:
-            return 0
-        for root in _checkpoint_roots(self):
-            checkpoint.clean_interrupted(root)
-        if self.resume is True:
-            # the one process that speaks: the launching one (under torchrun, rank 0's)
-            say = print if os.environ.get("RANK", "0") == "0" else None
-            folder = checkpoint.latest(self.checkpoint_dir, say=say)
-            if folder is None:
-                raise ValueError(f"no complete checkpoint that verifies in "
-                                 f"{self.checkpoint_dir}: train with save_every first, or "
-                                 f"resume=False")
-        else:
-            folder = Path(self.resume)
-            if not folder.is_dir():
-                raise ValueError(f"no checkpoint folder {folder}")
-        if not checkpoint.is_complete(folder):
-            return 0  # a foreign checkpoint (trust_checkpoint): its step is read on load
-        saved = checkpoint.info(folder)
-        if saved.get("precision", self.precision) != self.precision:
-            # its weights and optimizer state are that precision's (a master copy or not)
-            raise ValueError(f"the checkpoint {folder.name} was saved with precision "
-                             f"{saved['precision']!r}, not {self.precision!r}: resume it "
-                             f"with precision={saved['precision']!r}")
-        if saved.get("optimizer", self.optimizer) != self.optimizer:
-            # another optimizer would start from no state of its own, silently
-            raise ValueError(f"the checkpoint {folder.name} was saved with optimizer "
-                             f"{saved['optimizer']!r}, not {self.optimizer!r}: resume it "
-                             f"with optimizer={saved['optimizer']!r}")
-        step = int(saved.get("step", 0))
-        if step >= self.steps:
-            raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
-                             f"{step}; ask for steps > {step}")
-        return step
-
-
-def _checkpoint_roots(config: TrainConfig) -> list[Path]:
-    """Where saves of this run go and where it resumes from: the folders whose
-    interrupted saves (`step-N.tmp`) are cleaned before a resume."""
-    roots = [Path(config.checkpoint_dir)] if config.checkpoint_dir else []
-    if config.resume and config.resume is not True:
-        roots.append(Path(config.resume).parent)
-    return list(dict.fromkeys(roots))
-
-
-def check_writable_folder(folder, what: str) -> None:
-    """Refuse, before training, a folder that cannot be created or written to: create it
-    and write a probe file there, which is the only test that holds for every file system
-    and user (root passes permission checks that a read-only mount still refuses)."""
-    folder = Path(folder)
-    probe = folder / f".shardlab-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"{what} {str(folder)!r} cannot be written ({exc.strerror}); "
-                         f"choose another folder") from None
-
+from shardlab.report import RunReport, ledger_totals, median_step_time
+from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -349,7 +202,7 @@ def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
     """Load the checkpoint `config.resume` names; return the step to continue from."""
     if not config.resume:
         return 0
-    for root in _checkpoint_roots(config):
+    for root in checkpoint_roots(config):
         checkpoint.clean_interrupted(root)
     # check_resume, in the launching process, already said which checkpoints it skipped
     folder = (checkpoint.latest(config.checkpoint_dir, say=None) if config.resume is True
