@@ -24,6 +24,7 @@ calls it, and `-p stored_outputs` does for any notebook).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -38,9 +39,10 @@ MAX_SIGNIFICANT = 5
 # before the digits), nor of a version ("2.13.0"). Thousands may be grouped with commas.
 NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w.])")
 
-# nbval's own markers for a cell whose output it does not compare.
-UNCOMPARED_COMMENTS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
-UNCOMPARED_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
+# nbval's own markers for a cell whose output it does not compare (a cell marked to raise
+# an exception is still compared, so it is not among them).
+UNCOMPARED_COMMENTS = ("NBVAL_IGNORE_OUTPUT", "PYTEST_VALIDATE_IGNORE_OUTPUT", "NBVAL_SKIP")
+UNCOMPARED_TAGS = {"nbval-ignore-output", "nbval-skip"}
 
 
 def is_float(token: str) -> bool:
@@ -125,8 +127,6 @@ def _adopt_matching(tested: list, stored: list) -> list:
     """Each computed output whose text matches its stored one under the rule is given the
     stored text, so that nbval's own comparison (and its report of a real difference) runs
     unchanged on what is left. Outputs pair up in order, as nbval pairs them."""
-    import nbformat
-
     adopted = []
     for i, test in enumerate(tested):
         ref = stored[i] if i < len(stored) else {}
@@ -135,7 +135,7 @@ def _adopt_matching(tested: list, stored: list) -> list:
         if not same_kind:
             adopted.append(test)
             continue
-        test = nbformat.from_dict(json.loads(json.dumps(test)))
+        test = copy.deepcopy(test)
         if isinstance(test.get("text"), str) and isinstance(ref.get("text"), str) \
                 and same_output(ref["text"], test["text"]):
             test["text"] = ref["text"]
