@@ -73,3 +73,29 @@ class Scaled:
     def plus(self, offset: int) -> int:
         """A bound method: it travels as the object and the method's name."""
         return dist.get_rank() * self.factor + offset
+
+
+def launch_descendants(root: int) -> list[int]:
+    """Live processes descended from `root` (zombies excluded), leaving out multiprocessing's
+    resource tracker and fork server, which one process shares across its launches (the
+    ranks a fork server forked are counted)."""
+    from pathlib import Path
+
+    children: dict[int, list[tuple[int, bool]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        shared = b"resource_tracker" in cmdline or b"multiprocessing.forkserver" in cmdline
+        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), shared))
+    found, frontier = [], [root]
+    while frontier:
+        for pid, shared in children.get(frontier.pop(), []):
+            frontier.append(pid)
+            if not shared:
+                found.append(pid)
+    return found

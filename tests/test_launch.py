@@ -21,23 +21,13 @@ from shardlab.launch import (LaunchError, LaunchTimeout, RankFailed, choose_plac
 
 
 def live_children() -> list[int]:
-    """PIDs of every live process whose parent is this test process (zombies excluded).
+    """PIDs of every live process this test process started, however deep (zombies excluded).
 
-    multiprocessing's resource tracker, started once and shared by every spawn, is not a
-    process of a launch and is left out.
+    multiprocessing's resource tracker and fork server, each started once and shared by
+    every launch of this process, are not processes of a launch and are left out; the
+    ranks the fork server forked are counted.
     """
-    me = os.getpid()
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        cmdline = (stat.parent / "cmdline").read_bytes()
-        if ppid == me and state != "Z" and b"resource_tracker" not in cmdline:
-            found.append(int(stat.parent.name))
-    return found
+    return w.launch_descendants(os.getpid())
 
 
 @pytest.fixture(autouse=True)
@@ -180,10 +170,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
             try:
                 launch(launch_workers.hang_after_marking, 2, {str(tmp_path)!r}, timeout=120)
             except KeyboardInterrupt:
-                me = str(os.getpid())
-                alive = [p.parent.name for p in Path("/proc").glob("[0-9]*/stat")
-                         if p.read_text().rsplit(")", 1)[1].split()[1] == me
-                         and b"resource_tracker" not in (p.parent / "cmdline").read_bytes()]
+                alive = launch_workers.launch_descendants(os.getpid())
                 print("interrupted; children alive:", alive)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

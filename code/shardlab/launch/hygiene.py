@@ -57,17 +57,23 @@ def die_with_parent(parent: int) -> None:
     rank and every process it started end too, instead of lingering on ports and cores.
 
     The rank leads a process group of its own, so that one signal reaches whatever it
-    started; a watchdog thread ends the group as soon as the parent is gone. The parent
-    may already be gone when this runs (it died while the rank was importing torch): then
-    the rank ends at once."""
+    started; a watchdog thread ends the group as soon as the launching process is gone, or
+    the process that started this rank is (the launching process itself, or its fork
+    server, which ends with it). The launching process may already be gone when this runs
+    (it died while the rank was starting): then the rank ends at once."""
     os.setsid()
-    if os.getppid() != parent:
+    starter = os.getppid()
+
+    def orphaned() -> bool:
+        return os.getppid() != starter or not pid_alive(parent)
+
+    if orphaned():
         end_group()
 
     def watch() -> None:
         while True:
             time.sleep(0.2)
-            if os.getppid() != parent:
+            if orphaned():
                 end_group()
 
     threading.Thread(target=watch, name="shardlab-watch-parent", daemon=True).start()
@@ -124,13 +130,18 @@ def dismiss_reaper(reaper: subprocess.Popen | None) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a running process: a zombie (dead, not yet reaped by its own
+    parent) is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): a signal that reaches it is all we can know
 
 
 def reclaim_run_dirs(tmp_root: str | None = None) -> list[Path]:

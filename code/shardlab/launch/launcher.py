@@ -1,9 +1,10 @@
 """`launch`: run one function of the package on N ranks and collect what each returns.
 
 A notebook cannot host a multi-process job by itself: the ranks must be separate
-processes, started with the *spawn* method (fork would copy the kernel's threads and
-sockets), and spawned processes can only run a function they can import. So the workers
-live in `shardlab`, and `launch` starts them:
+processes, started clean (a fork of the kernel would copy its threads and sockets): forked
+from a fork server that imported torch once (`starter`), or spawned. Such processes can
+only run a function they can import. So the workers live in `shardlab`, and `launch`
+starts them:
 
     >>> from shardlab.launch import launch
     >>> from shardlab.demo import whoami
@@ -41,7 +42,6 @@ import tempfile
 import time
 import traceback
 import types
-from multiprocessing import get_context
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +55,7 @@ from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
 from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_with_parent,
                                      dismiss_reaper, reclaim_run_dirs, start_reaper,
                                      stop_ranks, tell_reaper, terminate_as_exit)
+from shardlab.launch.starter import rank_context
 
 
 DEFAULT_TIMEOUT = 300.0
@@ -173,7 +174,7 @@ def _run_in_this_process(fn, world, args, kwargs, backend, device):
             dist.destroy_process_group()
 
 
-def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: dict,
                 run_dir: str, threads: int, timeout: float, parent: int,
                 where: Placement) -> None:
     die_with_parent(parent)
@@ -187,6 +188,13 @@ def _child_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwa
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     try:
+        os.environ.clear()
+        os.environ.update(surroundings["environ"])
+        os.chdir(surroundings["cwd"])
+        sys.path[:] = surroundings["sys_path"]
+        # loaded here, not by multiprocessing, so that a function that cannot be found is
+        # reported like any other failure of the rank (with its traceback)
+        fn, args, kwargs = pickle.loads(payload)
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world + 1, False,
                               datetime.timedelta(seconds=timeout))
@@ -250,12 +258,16 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     where = choose_placement(backend, device, world, visible_gpus(), dist.is_nccl_available())
     check_main_guard()
     try:
-        pickle.dumps((fn, args, kwargs))
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001
         raise LaunchError(f"the function or its arguments cannot be sent to a child "
                           f"process: {exc}") from None
+    # Where the function is looked up: this process's, at this launch (a fork server
+    # started earlier keeps the directory and path it started with).
+    surroundings = {"cwd": os.getcwd(), "sys_path": list(sys.path),
+                    "environ": dict(os.environ)}
     reclaim_run_dirs()
-    ctx = get_context("spawn")
+    ctx = rank_context()
     # The parent owns the rendezvous; port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
                           datetime.timedelta(seconds=timeout), wait_for_workers=False)
@@ -268,7 +280,7 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
             reaper = start_reaper()
             for rank in range(world):
                 p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
-                                args=(rank, world, store.port, fn, args, kwargs, tmp,
+                                args=(rank, world, store.port, payload, surroundings, tmp,
                                       threads, timeout, os.getpid(), where), daemon=True)
                 p.start()
                 tell_reaper(reaper, str(p.pid))
