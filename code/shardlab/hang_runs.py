@@ -82,25 +82,25 @@ def _torch_flight_entries(group) -> list[tuple[str, int, str]]:
             for e in trace.get("entries", []) if e.get("process_group", ("",))[0] == name]
 
 
-def hang_worker(cases: list[tuple[str, bool]], folder: str, collective_timeout: float,
-                detail: bool, torch_flight: bool) -> dict[str, str]:
-    """Worker: run each (fault, fixed) case on a new group, under a flight recorder in
-    `folder/<case>`; return how this rank left each one ("returned" or its error)."""
+def hang_worker(cases: list[tuple[str, bool, bool]], folder: str,
+                collective_timeout: float, torch_flight: bool) -> dict[str, str]:
+    """Worker: run each (fault, fixed, detail) case on a new group, under a flight
+    recorder in `folder/<case>`; return how this rank left each ("returned" or its error)."""
     outcome = {}
     timeout = datetime.timedelta(seconds=collective_timeout)
-    for name, fixed in cases:
+    for name, fixed, detail in cases:
         if detail:
             dist.set_debug_level(dist.DebugLevel.DETAIL)
         group = dist.new_group(backend="gloo", timeout=timeout)
         dist.set_debug_level(dist.DebugLevel.OFF)
         extra = _sharded_tiny_gpt(group) if name == "rank0_generate" else ()
-        where = Path(folder) / case_name(name, fixed)
+        where = Path(folder) / case_name(name, fixed, detail)
         try:
             with FlightRecorder(where) as recorder:
                 FAULTS[name](group, fixed, recorder.mark_step, *extra)
-            outcome[case_name(name, fixed)] = "returned"
+            outcome[where.name] = "returned"
         except RuntimeError as exc:
-            outcome[case_name(name, fixed)] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            outcome[where.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if torch_flight:
             entries = _torch_flight_entries(group)
             (where / f"rank{dist.get_rank()}.torch").write_bytes(pickle.dumps(entries))
@@ -108,8 +108,9 @@ def hang_worker(cases: list[tuple[str, bool]], folder: str, collective_timeout: 
     return outcome
 
 
-def case_name(fault: str, fixed: bool) -> str:
-    return f"{fault}:fixed" if fixed else fault
+def case_name(fault: str, fixed: bool, detail: bool = False) -> str:
+    """"skipped_sample", "skipped_sample:fixed", "skipped_sample:detail"."""
+    return fault + (":fixed" if fixed else "") + (":detail" if detail else "")
 
 
 @contextlib.contextmanager
@@ -127,35 +128,40 @@ def _environment(**values: str | None):
 
 
 def run_hangs(faults=tuple(FAULTS), world: int = 2, *, fixed: bool | str = False,
-              collective_timeout: float = 3.0, detail: bool = False,
+              detail: bool | str = False, collective_timeout: float = 3.0,
               torch_flight: bool = False, timeout: float = 180.0) -> dict[str, HangRun]:
     """Run `faults` (names of `shardlab.hangs.FAULTS`, in order) in one launch of `world`
-    ranks; return each one's `HangRun` by name. fixed: False, True (each with its fix),
-    or "both" (each fault, then its fix, named "<fault>:fixed"). The faulty
-    "size_mismatch" runs last: gloo may abort a rank for it, which ends the launch."""
+    ranks; return each case's `HangRun` by its `case_name`. fixed: False, True (each
+    with its fix) or "both" (each fault, then its fix: "<fault>:fixed"); detail: False,
+    True or "both" (the faults also under TORCH_DISTRIBUTED_DEBUG=DETAIL:
+    "<fault>:detail"). The faulty "size_mismatch" runs last: gloo may abort a rank for
+    it, which ends the launch."""
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise ValueError(f"unknown fault(s) {unknown}; use some of {list(FAULTS)}")
-    if fixed not in (False, True, "both"):
-        raise ValueError(f"fixed must be False, True or 'both', got {fixed!r}")
-    cases = [(name, f) for name in faults
-             for f in ((False, True) if fixed == "both" else (bool(fixed),))]
-    cases.sort(key=lambda case: case == ("size_mismatch", False))
+    for name, value in (("fixed", fixed), ("detail", detail)):
+        if value not in (False, True, "both"):
+            raise ValueError(f"{name} must be False, True or 'both', got {value!r}")
+    cases = [(name, f, d) for name in faults
+             for f in ((False, True) if fixed == "both" else (bool(fixed),))
+             for d in ((False, True) if detail == "both" else (bool(detail),))
+             if not (f and d and detail == "both")]  # a fix needs no second opinion
+    cases.sort(key=lambda case: case == ("size_mismatch", False, False))
     env = {"TORCH_FR_BUFFER_SIZE": "2000"} if torch_flight else {}
     runs = {}
     with flight_folder() as folder, _environment(**env):
         with contextlib.suppress(LaunchError):  # a fault that aborts a rank ends the launch
-            launch(hang_worker, world, cases, folder, collective_timeout, detail,
-                   torch_flight, timeout=timeout)
-        for name, f in cases:
-            where = Path(folder) / case_name(name, f)
+            launch(hang_worker, world, cases, folder, collective_timeout, torch_flight,
+                   timeout=timeout)
+        for name, f, d in cases:
+            where = Path(folder) / case_name(name, f, d)
             dumps = read_flight(where)
             run = HangRun(name, f, diagnose(dumps), dumps)
-            if detail:
-                run.detail = {r: d.error for r, d in dumps.items()}
+            if d:
+                run.detail = {r: dump.error for r, dump in dumps.items()}
             for path in sorted(where.glob("rank*.torch")):
                 run.torch_flight[int(path.stem[4:])] = pickle.loads(path.read_bytes())
-            runs[case_name(name, f)] = run
+            runs[where.name] = run
     return runs
 
 

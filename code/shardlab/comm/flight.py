@@ -42,7 +42,7 @@ import torch.distributed as dist
 from shardlab.comm.ledger import Ledger
 from shardlab.comm.records import CollectiveRecord
 
-SLOT = 320  # bytes of one entry in the file: one line of JSON, padded with spaces
+SLOT = 512  # bytes of one entry in the file: one line of JSON, padded with spaces
 # frames that say nothing of who called: torch, the ledger and ring, a context manager,
 # the launcher that started the rank
 _SKIPPED = (os.path.dirname(torch.__file__), os.path.dirname(__file__),
@@ -111,8 +111,8 @@ class _Ring:
     def append(self, record: CollectiveRecord) -> None:
         self.recorder._started(record)
 
-    def __iter__(self):
-        return iter(self.recorder.entries())
+    def __iter__(self):  # the records still in the ring, oldest first (the ledger's sums)
+        return iter(self.recorder.in_ring())
 
 
 class _RecordsOnly(dict):
@@ -184,10 +184,10 @@ class FlightRecorder(Ledger):
             self._map.close()
             self._map = None
 
-    def entries(self) -> list[dict]:
+    def in_ring(self) -> list[CollectiveRecord]:
         with self._lock:
-            return [entry for _, _, entry in sorted(self._slot_of.values(),
-                                                    key=lambda v: v[2]["index"])]
+            return [record for _, record, _ in sorted(self._slot_of.values(),
+                                                      key=lambda v: v[2]["index"])]
 
     # the ledger's hooks ----------------------------------------------------------------
 
@@ -224,7 +224,7 @@ class FlightRecorder(Ledger):
 
     def _write_header(self, state: str, error: str) -> None:
         self._write(0, {"rank": self.rank, "world": self.world, "capacity": self.capacity,
-                        "state": state, "error": error[:200]})
+                        "state": state, "error": error[:400]})
 
     def _write(self, slot: int, data: dict[str, Any]) -> None:
         if self._map is None:  # closed: a completion that arrived after the recorder
