@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.cli import main
-from shardlab.comm import FlightDump, FlightEntry, diagnose
+from shardlab.comm import FlightDump, FlightEntry, diagnose, ring_traffic
 from shardlab.hang_runs import run_hangs
 from shardlab.hangs import FAULTS
 from shardlab.launch import OWNER, RUN_DIR_PREFIX, RankFailed, launch
@@ -147,3 +147,9 @@ def test_a_failed_run_carries_the_diagnosis_to_the_cli(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "error: RuntimeError: rank 1 crashed at step 1" in err
     assert "what the flight recorders say: Rank(s) [1] are behind" in err
+
+
+def test_a_reduce_is_counted_as_a_reduce_scatter_then_a_gather_to_the_root():
+    traffic = [ring_traffic("reduce", 9, 3, 4, rank, src=0) for rank in range(3)]
+    assert [t[:2] for t in traffic] == [(24, 48), (36, 24), (36, 24)]  # bytes sent, received
+    assert sum(t[0] for t in traffic) == sum(t[1] for t in traffic)
