@@ -175,13 +175,13 @@ def _record_native(describe, args) -> Callable:
             future = None
         pending = None
         if future is not None:
-            def completed(_):
+            def completed(done):
                 now = time.perf_counter()
                 for record in records:
                     record.seconds = now - start
                     record.end = now
                 try:
-                    _.value()
+                    done.value()
                 except Exception:  # noqa: BLE001 - it ended (a timeout, a lost peer) unfinished
                     return
                 _tell_ended(records)
