@@ -23,7 +23,8 @@ LAYERS = {
         "precision", "measure", "clock", "hardware", "network", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator",
-        "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes"},
+        "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
+        "comm.flight", "comm.hang_diagnosis", "hangs"},
     2: {"strategy"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
@@ -34,7 +35,7 @@ LAYERS = {
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe"},
     4: {"viz", "report",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export"},
-    5: {"config", "train", "demo", "cli", "__main__"},
+    5: {"config", "train", "demo", "cli", "__main__", "hang_runs"},
 }
 
 

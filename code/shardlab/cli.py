@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         message = (exc.rank_traceback.strip().splitlines()[-1]
                    if isinstance(exc, RankFailed) else str(exc))
         print(f"error: {message}", file=sys.stderr)
+        if isinstance(exc, RankFailed) and getattr(exc, "hang", None) is not None:
+            print(f"what the flight recorders say: {exc.hang}", file=sys.stderr)
         return 2
 
 

@@ -16,6 +16,10 @@ has been caused on purpose and seen in the run report (`shardlab.report`):
   its forward again in backward, with PyTorch's composable `checkpoint`, which leaves the
   modules and their parameter names as they are.
 
+The failure with no metric, a *hang*, has its own modules: `shardlab.hangs` causes one
+the ways real jobs do (a rank whose code takes another path), and the flight recorder of
+`shardlab.comm.flight` names the rank and the collective.
+
 On a GPU the memory limit is real: `torch.cuda.set_per_process_memory_fraction` caps the
 caching allocator, and the step raises `torch.OutOfMemoryError` at the allocation that
 crosses it, inside the module named here. On a CPU nothing runs out at a chosen size, so

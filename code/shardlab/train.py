@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.comm import Ledger, all_gather_into, clock_offset
+from shardlab.comm.flight import FlightRecorder
+from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
@@ -78,9 +80,11 @@ def _progress_reporter(progress: str | None, steps: int):
     return write, lambda: None
 
 
-def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
+def train_worker(config: TrainConfig, progress: str | None = None,
+                 flight: str | None = None) -> RunReport:
     """One rank's run: build, wrap, train `config.steps` steps, report. Runs inside a
-    process group (the launcher's or torchrun's), or alone as world 1."""
+    process group (the launcher's or torchrun's), or alone as world 1. `flight`: a folder
+    for this rank's flight recorder (`shardlab.comm.flight`), read if the launch hangs."""
     config.validate()
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -113,7 +117,9 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
     sizes: dict[str, int] = {}
     peak: dict[str, int] = {}
     tracked = watched = None
-    with ledger if ledger is not None else contextlib.nullcontext():
+    recorder = FlightRecorder(flight) if flight else None
+    with ledger if ledger is not None else contextlib.nullcontext(), \
+            recorder if recorder is not None else contextlib.nullcontext():
         for step in range(first_step, config.steps):
             if step == config.crash_at_step and rank == config.crash_rank:
                 raise RuntimeError(f"rank {rank} crashed at step {step} (crash_at_step)")
@@ -159,8 +165,9 @@ def train_worker(config: TrainConfig, progress: str | None = None) -> RunReport:
                 save_start = time.perf_counter()
                 _save(config, step + 1, wrapped, ledger)
                 saves.append(time.perf_counter() - save_start)
-            if ledger is not None and not last:
-                ledger.mark_step()
+            for book in (ledger, recorder):
+                if book is not None and not last:
+                    book.mark_step()
             local_losses.append(step_loss)
             update_progress(step, step_loss)
         if tracked is not None:
@@ -238,7 +245,8 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     config.validate()
     config.check_resume()
     try:
-        return _launch_workers(config, backend, device, timeout, progress)
+        with flight_folder() as flight:  # a hang's diagnosis joins the error
+            return _launch_workers(config, backend, device, timeout, progress, flight)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
@@ -250,13 +258,13 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
 
 
 def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: float,
-                    progress: bool) -> list[RunReport]:
+                    progress: bool, flight: str) -> list[RunReport]:
     where = {"backend": backend, "device": device, "timeout": timeout}
-    if under_torchrun():
+    if under_torchrun():  # no folder that every node sees: no flight recorder
         return launch(train_worker, config.world, config, "tqdm" if progress else None,
                       **where)
     if not progress:
-        return launch(train_worker, config.world, config, None, **where)
+        return launch(train_worker, config.world, config, None, flight, **where)
     # a launch's folder, named as the launcher names its own: if this process is killed,
     # the next launch finds its owner dead and removes it
     with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
@@ -268,7 +276,7 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
                                    daemon=True)
         watcher.start()
         try:
-            return launch(train_worker, config.world, config, str(path), **where)
+            return launch(train_worker, config.world, config, str(path), flight, **where)
         finally:
             done.set()
             watcher.join()

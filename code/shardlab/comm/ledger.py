@@ -85,9 +85,18 @@ def recorded_ring(op: str, tensor: torch.Tensor, numel: int, world: int, rank: i
         size = tensor.element_size()
         sent, received, rounds, round_bytes = ring_traffic(op, numel, world, size, rank, src)
         seconds = time.perf_counter() - start
-        for record in _emit(op, tensor.dtype, numel, numel * size, sent, received, seconds,
-                            world, rounds, round_bytes, start, _group_name(group)):
+        records = _emit(op, tensor.dtype, numel, numel * size, sent, received, seconds,
+                        world, rounds, round_bytes, start, _group_name(group))
+        for record in records:
             record.waits.append((start, start + seconds))
+        _tell_ended(records)
+
+
+def _tell_ended(records: list[CollectiveRecord]) -> None:
+    """These collectives have completed: tell the open ledgers (a flight recorder writes it
+    down at once; a plain ledger reads `end` later and does nothing here)."""
+    for ledger in list(_ACTIVE):
+        ledger.ended(records)
 
 
 def _numel(tensors) -> int:
@@ -116,6 +125,7 @@ _NATIVE = {
     "reduce_scatter_tensor_coalesced_":
         lambda a: ("reduce_scatter", a[1], _numel(a[1]), a[2], 0),
     "broadcast_": lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
+    "reduce_": lambda a: ("reduce", a[0], _numel(a[0]), a[1], a[3]),
     "send": lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
     "recv_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
     "recv_any_source_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
@@ -151,9 +161,11 @@ def _record_native(describe, args) -> Callable:
             record.waits.append((start, start + elapsed))
         work = out[-1] if isinstance(out, tuple) else out
         if not isinstance(work, torch.ScriptObject):
+            _tell_ended(records)
             return
         unboxed = dist.Work.unbox(work)
         if unboxed is None:  # a blocking NCCL collective: it is done, keep the launch time
+            _tell_ended(records)
             return
         for record in records:
             record.end = math.nan  # known when the future completes, or a wait returns
@@ -163,11 +175,16 @@ def _record_native(describe, args) -> Callable:
             future = None
         pending = None
         if future is not None:
-            def completed(_):
+            def completed(done):
                 now = time.perf_counter()
                 for record in records:
                     record.seconds = now - start
                     record.end = now
+                try:
+                    done.value()
+                except Exception:  # noqa: BLE001 - it ended (a timeout, a lost peer) unfinished
+                    return
+                _tell_ended(records)
 
             pending = future.then(completed)
         # on the CPU a wait returns when the work is done, so waiting for its callback
@@ -189,8 +206,11 @@ def _timed_wait(self, *args, **kwargs):
     if not _ACTIVE:
         return _original_wait(self, *args, **kwargs)
     begin = time.perf_counter()
+    completed = False
     try:
-        return _original_wait(self, *args, **kwargs)
+        result = _original_wait(self, *args, **kwargs)
+        completed = True
+        return result
     finally:
         done = time.perf_counter()
         for ledger in list(_ACTIVE):
@@ -207,6 +227,8 @@ def _timed_wait(self, *args, **kwargs):
                 if math.isnan(record.end):  # no completion signal (yet): the wait's return
                     record.end = done
                     record.seconds = done - record.start
+            if completed:  # a wait that raised (a timeout) ends a collective unfinished
+                ledger.ended(records)
 
 
 def _watching_kernel(op, describe):
@@ -280,6 +302,10 @@ class Ledger:
                 pending.wait()
         self._pending.clear()
         self._by_work.clear()
+
+    def ended(self, records: list[CollectiveRecord]) -> None:
+        """Called when collectives have completed (`records` may hold other ledgers' records
+        of them too). Nothing to do here: `shardlab.comm.flight` overrides it."""
 
     def mark_step(self) -> None:
         self.step += 1

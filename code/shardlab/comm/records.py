@@ -60,7 +60,8 @@ def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
     `numel` is the full tensor's length. Reduce-scatter and all-gather: N-1 rounds of one
     chunk of ceil(numel/N) elements each way. All-reduce: both. Broadcast: the tensor is
     cut into N pieces that flow down the chain src -> src+1 -> ... (N+N-2 rounds); every
-    rank but the last forwards the whole tensor, every rank but src receives it.
+    rank but the last forwards the whole tensor, every rank but src receives it. Reduce (to
+    src): a reduce-scatter, then one round in which every other rank sends src its chunk.
     """
     op = op.removeprefix("ring_")
     if world == 1 or numel == 0:
@@ -76,11 +77,15 @@ def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
         full = numel * elem_size
         return (full if position < world - 1 else 0, full if position > 0 else 0,
                 pieces + world - 2, math.ceil(numel / pieces) * elem_size)
+    if op == "reduce":  # a reduce-scatter, then every chunk sent to the root (src)
+        gathered = (world - 1) * chunk if rank == src else 0
+        return ((world - 1) * chunk + (chunk if rank != src else 0),
+                (world - 1) * chunk + gathered, world, chunk)
     if op in ("send", "recv"):
         full = numel * elem_size
         return (full, 0, 1, full) if op == "send" else (0, full, 1, full)
     raise ValueError(f"unknown collective {op!r}; use one of reduce_scatter, all_gather, "
-                     f"all_reduce, broadcast, send, recv")
+                     f"all_reduce, broadcast, reduce, send, recv")
 
 
 _SUMMED = ("logical_bytes", "sent_bytes", "received_bytes", "seconds")
