@@ -6,16 +6,21 @@ truncated metadata, a metadata file crafted to run code when unpickled. Each is 
 with one error naming the checkpoint and the file, and resuming falls back to the newest
 checkpoint that verifies, saying which it skipped. And a `Wrapped` that cannot say how
 its state is laid out is refused on save and on load, instead of resuming from wrong
-weights.
+weights. Saves that fail (a full disk, a folder removed, a file system turned read-only)
+say why in one line and leave nothing half-written; a second run on a folder in use is
+refused before it trains.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from shardlab import checkpoint
 from shardlab.launch import launch
 from shardlab.manifest import MANIFEST, CheckpointError
-from shardlab.train import TrainConfig, train_worker
+from shardlab.train import TrainConfig, run, train_worker
 
 CONFIG = TrainConfig(steps=3, save_every=1, seq_len=16, measure_memory=False,
                      record_ledger=False, keep_params=True)
@@ -347,3 +352,23 @@ def test_a_permission_lost_mid_run_is_told_plainly(small_disk, monkeypatch):
     assert f"saving step 2 into {root} failed: the folder can no longer be written" in message
     assert "Read-only file system" in message
     assert f"the last complete checkpoint is {root / 'step-000001'}" in message
+
+
+def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tmp_path):
+    """Two runs saving into one folder would each clean the other's unfinished save: the
+    second is refused before a process starts (the timeout is far too short to launch),
+    naming the first; resuming from a folder in use is refused too."""
+    host = socket.gethostname()
+    with checkpoint.writer_lock(tmp_path):  # the first run, still training
+        for change in ({"save_every": 1}, {"resume": True}):
+            with pytest.raises(ValueError, match=rf"checkpoint_dir '{tmp_path}' is in use by "
+                                                 rf"another run \(pid {os.getpid()} on "
+                                                 rf"{host}, since "):
+                run(replace(CONFIG, checkpoint_dir=str(tmp_path), **change), timeout=1)
+    # what a run killed by SIGKILL leaves: a lock file naming a dead process, unlocked
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / checkpoint.lock.LOCK_NAME).write_text(
+        json.dumps({"pid": int(dead), "host": host, "since": 0}))
+    with checkpoint.writer_lock(tmp_path) as lock:  # stale: the next run takes it
+        assert json.loads(lock.read_text())["pid"] == os.getpid()

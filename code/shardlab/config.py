@@ -9,6 +9,7 @@ rank exists: a bad value is refused in one line there, not as a traceback from e
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,26 @@ def checkpoint_roots(config: TrainConfig) -> list[Path]:
     if config.resume and config.resume is not True:
         roots.append(Path(config.resume).parent)
     return list(dict.fromkeys(roots))
+
+
+@contextlib.contextmanager
+def checkpoint_folders_locked(config: TrainConfig):
+    """Hold the writer's lock (`shardlab.checkpoint.writer_lock`) of every folder this run
+    saves into or cleans, from before the resume is checked until the ranks are done: a
+    second run on the same folder is refused before it trains, naming the first. Under
+    torchrun the lock is rank 0's, as the saves are."""
+    roots = checkpoint_roots(config) if (config.save_every or config.resume) else []
+    if os.environ.get("RANK", "0") != "0":
+        roots = []
+    with contextlib.ExitStack() as held:
+        for root in roots:
+            try:
+                held.enter_context(checkpoint.writer_lock(root))
+            except OSError:
+                if root == Path(config.checkpoint_dir or "") and config.save_every:
+                    raise  # validate() found it writable; say what changed
+                # a read-only folder resumed from: nothing there is written or cleaned
+        yield
 
 
 def check_writable_folder(folder, what: str) -> None:

@@ -44,7 +44,7 @@ from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placemen
                              rank_device, under_torchrun)
 from shardlab.measure import state_bytes, track_peak
 from shardlab.clock import StepClock
-from shardlab.config import TrainConfig, checkpoint_roots
+from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
@@ -243,10 +243,11 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     if config.strategy == "single":
         config = replace(config, world=1)
     config.validate()
-    config.check_resume()
     try:
-        with flight_folder() as flight:  # a hang's diagnosis joins the error
-            return _launch_workers(config, backend, device, timeout, progress, flight)
+        with checkpoint_folders_locked(config):  # one writer per folder
+            config.check_resume()
+            with flight_folder() as flight:  # a hang's diagnosis joins the error
+                return _launch_workers(config, backend, device, timeout, progress, flight)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
