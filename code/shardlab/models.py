@@ -278,6 +278,21 @@ def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- data
 
 
+def longest_sequence(name: str, config: dict | None = None) -> int | None:
+    """The longest sequence the model `name` (with `config`'s settings) takes: what its
+    position embedding covers. None for the toys, which have no positions. Read from the
+    settings, without building the model, so that the launching process checks it."""
+    overrides = config or {}
+    if name in GPT_CONFIGS:
+        return int(overrides.get("block_size", GPT_CONFIGS[name].block_size))
+    if name in HF_MODELS:
+        settings = {**dict(HF_MODELS[name].config), **overrides}
+        for key in ("n_positions", "max_position_embeddings"):
+            if key in settings:
+                return int(settings[key])
+    return None
+
+
 @lru_cache(maxsize=1)
 def corpus_tokens() -> torch.Tensor:
     """The shipped corpus as a 1-D tensor of byte values (int64)."""
