@@ -1,9 +1,11 @@
 """Workers for the launcher's tests: they must live in an importable module."""
 
 import os
+import signal
 import time
 
 import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -99,3 +101,31 @@ def launch_descendants(root: int) -> list[int]:
             if not shared:
                 found.append(pid)
     return found
+
+
+def end_silently_while_the_peer_fails(how: str) -> int:
+    """Rank 1 loads every core, then ends without a word (killed by SIGKILL, or
+    `os._exit(3)`), and rank 0's next collective fails because of it, writing an error.
+    Before it ends, rank 1 leaves a
+    child that keeps the launcher's watch on rank 1 open for a while (the fds a forked
+    child inherits), with the sockets closed: the launcher learns of rank 0's error
+    before it learns rank 1 is gone, which is what a busy machine does by chance."""
+    t = torch.ones(1)
+    dist.all_reduce(t)  # both ranks are up
+    if dist.get_rank() == 1:
+        for _ in range(os.cpu_count() or 2):  # a busy machine, ended with this rank's group
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        if os.fork() == 0:
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                        os.close(int(fd))  # the peer must see this rank's sockets close
+                except OSError:
+                    pass
+            time.sleep(60)  # ended with this rank's process group by the launcher
+            os._exit(0)
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.all_reduce(t)  # fails: the peer is gone
+    return 0

@@ -15,11 +15,12 @@ What `launch` promises, because a stuck or half-dead job is the worst thing a la
 * the rendezvous is a `TCPStore` that *this* process opens on 127.0.0.1 with a port the
   kernel picks (port 0), so two launches at once never fight over a port;
 * a rank that raises ends the launch: the other ranks are stopped and the caller gets one
-  `RankFailed` that names the rank and carries its traceback;
+  `RankFailed` that names the rank and carries its traceback; a rank killed by a signal
+  (or that exits without a word) is named before the peers whose collectives it broke;
 * a rank that hangs is stopped by the timeout, which names the ranks still running;
 * Ctrl-C stops every rank; if the launching process is killed (even by SIGKILL), a
-  small reaper process it started first kills the ranks at once, and each rank's own
-  watchdog ends it too once it is running;
+  small reaper process it started first kills the ranks at once and removes the run
+  folder, and each rank's own watchdog ends it too once it is running;
 * whatever happens, no process of the launch outlives the call;
 * what the ranks print is shown after they finish, grouped by rank, in rank order, so a
   notebook's stored output is the same on every run.
@@ -37,6 +38,7 @@ import functools
 import importlib
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -277,7 +279,7 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         run_dir = Path(tmp)
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:
-            reaper = start_reaper()
+            reaper = start_reaper(tmp)
             for rank in range(world):
                 p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                 args=(rank, world, store.port, payload, surroundings, tmp,
@@ -309,11 +311,57 @@ def _wait_all(ranks: list[RankProcess], run_dir: Path, timeout: float) -> None:
             r.process.join()
             if r.process.exitcode == 0 and (run_dir / f"rank{r.rank}.result").exists():
                 continue
-            # When one rank raises, its peers soon fail too (their collectives lose a
-            # peer); the first error written is the cause, the others are echoes.
-            errors = sorted(run_dir.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
-            if errors:
-                first = errors[0]
-                raise RankFailed(int(first.name[4:-6]), first.read_text())
-            raise RankFailed(r.rank, f"the process exited with code {r.process.exitcode} "
-                                     f"without a result (killed, or out of memory?)")
+            raise the_cause(ranks, run_dir)
+
+
+# What a collective raises when a peer is gone (gloo, NCCL): an echo of another failure.
+LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote worker",
+             "communicator was aborted", "Connection refused")
+ECHO_GRACE = 2.0  # seconds to wait, after an echo, for the rank that caused it to end
+
+
+def _ended_silently(ranks: list[RankProcess], run_dir: Path) -> list[RankProcess]:
+    """Ranks that ended without an error written and without a result: killed by a
+    signal, or exited without a word."""
+    return [r for r in ranks if r.process.exitcode is not None
+            and not (run_dir / f"rank{r.rank}.error").exists()
+            and (r.process.exitcode != 0 or not (run_dir / f"rank{r.rank}.result").exists())]
+
+
+def the_cause(ranks: list[RankProcess], run_dir: Path) -> RankFailed:
+    """The rank whose failure ended the launch, whatever order the launcher learnt of
+    the ends in.
+
+    When one rank fails, its peers soon fail too (their collectives lose a peer), and
+    which end the launcher sees first is a matter of timing: on a busy machine it often
+    sees an echo first. So the order of arrival decides nothing. A rank that ended
+    without writing an error (killed by a signal, or exiting without a word) is the cause:
+    it cannot be an echo, since an echo is a collective that fails and says so. Its end
+    may reach this process a moment after the echo (its sockets close before the kernel
+    lets its parent read its exit), so an echo waits up to `ECHO_GRACE` for it. Only among
+    ranks that wrote an error is the first one written the cause (a rank that raises
+    writes before its peers can notice it is gone)."""
+    errors = sorted(run_dir.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    silent = _ended_silently(ranks, run_dir)
+    if not silent and errors and any(m in errors[0].read_text() for m in LOST_PEER):
+        # A peer lost: the rank that broke it ends within moments (its sockets close a
+        # little before the kernel lets its parent read its end). Wait for that, briefly.
+        deadline = time.monotonic() + ECHO_GRACE
+        while not silent and time.monotonic() < deadline and any(
+                r.process.exitcode is None for r in ranks):
+            time.sleep(0.02)
+            silent = _ended_silently(ranks, run_dir)
+    if silent:
+        r = silent[0]
+        code = r.process.exitcode
+        if code < 0:
+            how = (f"was killed by signal {signal.Signals(-code).name} (from outside, or "
+                   f"by the kernel for lack of memory?)")
+        else:
+            how = f"exited with code {code} without a result or an error"
+        echoes = sorted(p.name[4:-6] for p in run_dir.glob("rank*.error"))
+        after = (f"; ranks {', '.join(echoes)} then failed in their collectives"
+                 if echoes else "")
+        return RankFailed(r.rank, f"the process {how}{after}")
+    first = errors[0]
+    return RankFailed(int(first.name[4:-6]), first.read_text())
