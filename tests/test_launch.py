@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import launch_workers as w
-from shardlab import demo
+from shardlab import checkpoint, demo
 from shardlab.launch.hygiene import reclaim_run_dirs
 from shardlab.launch import (LaunchError, LaunchTimeout, RankFailed, choose_placement, launch,
                              placement, resolve_backend)
@@ -395,3 +395,27 @@ def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, sai
     assert info.value.rank == 1, str(info.value)
     assert said in info.value.rank_traceback
     assert "ranks 0 then failed in their collectives" in info.value.rank_traceback
+
+
+def test_killing_a_training_command_leaves_no_folder(tmp_path):
+    """`python -m shardlab train` (its progress file in a folder of its own, beside the
+    launch's) killed by SIGKILL while it trains: both folders go with the reaper, and
+    the checkpoint folder's lock with the process."""
+    token = f"shardlab-test-{uuid.uuid4().hex}"
+    ckpt = tmp_path / "ckpt"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "shardlab", "train", "--steps", "100000", "--seq-len", "16",
+         "--no-memory", "--no-ledger", "--save-every", "1", "--checkpoint-dir", str(ckpt)],
+        env={**os.environ, "SHARDLAB_TEST_TOKEN": token}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # training: a save has begun
+    folders = run_dirs_of(train.pid)
+    assert len(folders) == 2, folders  # the launch's and the progress file's
+    train.kill()
+    train.wait()
+    assert gone_within(token, 10), f"left behind: {processes_with(token)}"
+    assert not any(p.exists() for p in folders)
+    with checkpoint.writer_lock(ckpt):  # free: its holder is gone
+        pass

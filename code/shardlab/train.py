@@ -41,7 +41,7 @@ from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
-                             rank_device, under_torchrun)
+                             rank_device, reaped_with_launches, under_torchrun)
 from shardlab.measure import state_bytes, track_peak
 from shardlab.clock import StepClock
 from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
@@ -267,8 +267,9 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
     if not progress:
         return launch(train_worker, config.world, config, None, flight, **where)
     # a launch's folder, named as the launcher names its own: if this process is killed,
-    # the next launch finds its owner dead and removes it
-    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
+    # the launch's reaper removes it (and, failing that, the next launch)
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp, \
+            reaped_with_launches(tmp):
         (Path(tmp) / OWNER).write_text(str(os.getpid()))
         path = Path(tmp) / "progress"
         path.touch()

@@ -19,7 +19,8 @@ A file per part:
 from shardlab.launch.devices import (BACKENDS, DEVICES, Placement, choose_placement,
                                      placement, rank_device, resolve_backend, visible_gpus)
 from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
-from shardlab.launch.hygiene import OWNER, RUN_DIR_PREFIX, reclaim_run_dirs
+from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, reaped_with_launches,
+                                     reclaim_run_dirs)
 from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
                                       launch, under_torchrun)
 
@@ -27,4 +28,4 @@ __all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_place
            "resolve_backend", "visible_gpus", "Placement", "BACKENDS", "DEVICES",
            "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
            "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
-           "RUN_DIR_PREFIX"]
+           "RUN_DIR_PREFIX", "reaped_with_launches"]

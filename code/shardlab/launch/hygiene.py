@@ -105,9 +105,25 @@ for folder in folders:  # the ranks are gone: nothing writes there any more
 """
 
 
+# Folders of the launching process that a reaper removes with the run folder (the
+# training loop's progress file, say): see `reaped_with_launches`.
+_ALSO_REAPED: list[str] = []
+
+
+@contextlib.contextmanager
+def reaped_with_launches(folder: str | os.PathLike):
+    """A folder of this process that the reaper of any launch started inside the block
+    removes too, if this process is killed."""
+    _ALSO_REAPED.append(os.fspath(folder))
+    try:
+        yield
+    finally:
+        _ALSO_REAPED.remove(os.fspath(folder))
+
+
 def start_reaper(run_dir: str | os.PathLike | None = None) -> subprocess.Popen | None:
     """The reaper of a launch whose run folder is `run_dir`."""
-    folders = [os.fspath(run_dir)] if run_dir is not None else []
+    folders = ([os.fspath(run_dir)] if run_dir is not None else []) + _ALSO_REAPED
     try:  # its own session: a Ctrl-C meant for the launch does not reach it
         return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, *folders],
                                 stdin=subprocess.PIPE, bufsize=0, start_new_session=True)
