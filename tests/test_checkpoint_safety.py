@@ -372,3 +372,4 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tmp_path):
         json.dumps({"pid": int(dead), "host": host, "since": 0}))
     with checkpoint.writer_lock(tmp_path) as lock:  # stale: the next run takes it
         assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()  # a run that ends leaves only its checkpoints

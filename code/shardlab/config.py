@@ -201,6 +201,8 @@ def checkpoint_folders_locked(config: TrainConfig):
         roots = []
     with contextlib.ExitStack() as held:
         for root in roots:
+            if not root.is_dir():
+                continue  # nothing there to clean or resume (refused next, by name)
             try:
                 held.enter_context(checkpoint.writer_lock(root))
             except OSError:
