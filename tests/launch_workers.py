@@ -19,6 +19,10 @@ def rank_times_ten() -> int:
     return dist.get_rank() * 10 + int(t.item()) * 0
 
 
+def rank_and_sum_of_ranks() -> tuple[int, float]:
+    return dist.get_rank() * 10, sum_of_ranks()
+
+
 def sum_of_ranks() -> float:
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)

@@ -40,8 +40,9 @@ def no_leftover_processes():
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_results_come_back_in_rank_order(world):
-    assert launch(w.rank_times_ten, world) == [10 * r for r in range(world)]
-    assert launch(w.sum_of_ranks, world) == [float(sum(range(world)))] * world
+    # one launch: each rank's own value, and one that all ranks computed together
+    assert launch(w.rank_and_sum_of_ranks, world) == [
+        (10 * r, float(sum(range(world)))) for r in range(world)]
 
 
 def test_backend_auto_is_gloo_without_gpus():
