@@ -302,14 +302,15 @@ def longest_sequence(name: str, config: dict | None = None) -> int | None:
     position embedding covers. None for the toys, which have no positions. Read from the
     settings, without building the model, so that the launching process checks it."""
     overrides = config or {}
+    longest = None
     if name in GPT_CONFIGS:
-        return int(overrides.get("block_size", GPT_CONFIGS[name].block_size))
-    if name in HF_MODELS:
+        longest = overrides.get("block_size", GPT_CONFIGS[name].block_size)
+    elif name in HF_MODELS:
         settings = {**dict(HF_MODELS[name].config), **overrides}
-        for key in ("n_positions", "max_position_embeddings"):
-            if key in settings:
-                return int(settings[key])
-    return None
+        longest = next((settings[k] for k in ("n_positions", "max_position_embeddings")
+                        if k in settings), None)
+    # a setting that is not a whole number is the model's to refuse, by its name
+    return longest if isinstance(longest, int) and not isinstance(longest, bool) else None
 
 
 @lru_cache(maxsize=1)

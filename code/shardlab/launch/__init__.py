@@ -13,6 +13,7 @@ A file per part:
                  `rank_device()`, the device this rank computes on
     hygiene.py   no process outlives a launch: stopping ranks, the reaper, the watchdog,
                  SIGTERM, the run folders of dead launches
+    blame.py     which rank ended a launch: the one that died, not the peers it broke
     errors.py    `LaunchError`, `RankFailed`, `LaunchTimeout`
 """
 
