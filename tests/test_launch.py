@@ -420,3 +420,32 @@ def test_killing_a_training_command_leaves_no_folder(tmp_path):
     assert not any(p.exists() for p in folders)
     with checkpoint.writer_lock(ckpt):  # free: its holder is gone
         pass
+
+
+class Ended:
+    """A rank's process as `the_cause` reads it: an exit code, known from `after` on."""
+
+    def __init__(self, exitcode, after: float = 0.0):
+        self._exitcode, self._known = exitcode, time.monotonic() + after
+
+    @property
+    def exitcode(self):
+        return self._exitcode if time.monotonic() >= self._known else None
+
+
+def test_the_cause_is_the_rank_that_ended_silently_whenever_its_end_is_seen(tmp_path):
+    """The rule alone, without timing: rank 0 wrote an echo (its collective lost a peer);
+    rank 1 was killed, its end seen at once, or only 0.3 s after the echo (a busy
+    machine); rank 2 is still running. Rank 1 is named either way; a rank that raised
+    an error of its own is named by its error when no rank ended silently."""
+    from shardlab.launch.blame import the_cause
+    from shardlab.launch.hygiene import RankProcess
+    (tmp_path / "rank0.error").write_text("RuntimeError: Connection closed by peer\n")
+    for after in (0.0, 0.3):
+        ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(-9, after)),
+                 RankProcess(2, Ended(None))]
+        cause = the_cause(ranks, tmp_path)
+        assert cause.rank == 1 and "killed by signal SIGKILL" in cause.rank_traceback
+    ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(None))]
+    (tmp_path / "rank0.error").write_text("ValueError: a bad option\n")
+    assert the_cause(ranks, tmp_path).rank == 0  # not an echo: named without waiting
