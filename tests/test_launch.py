@@ -399,9 +399,9 @@ def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, sai
 
 
 def test_killing_a_training_command_leaves_no_folder(tmp_path):
-    """`python -m shardlab train` (its progress file in a folder of its own, beside the
-    launch's) killed by SIGKILL while it trains: both folders go with the reaper, and
-    the checkpoint folder's lock with the process."""
+    """`python -m shardlab train` (its progress file and the ranks' flight recorders in
+    folders of their own, beside the launch's) killed by SIGKILL while it trains: every
+    folder goes with the reaper, and the checkpoint folder's lock with the process."""
     token = f"shardlab-test-{uuid.uuid4().hex}"
     ckpt = tmp_path / "ckpt"
     train = subprocess.Popen(
@@ -413,7 +413,7 @@ def test_killing_a_training_command_leaves_no_folder(tmp_path):
     while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
         time.sleep(0.1)  # training: a save has begun
     folders = run_dirs_of(train.pid)
-    assert len(folders) == 2, folders  # the launch's and the progress file's
+    assert len(folders) == 3, folders  # the launch's, the progress file's, the flight's
     train.kill()
     train.wait()
     assert gone_within(token, 10), f"left behind: {processes_with(token)}"

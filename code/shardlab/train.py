@@ -246,7 +246,8 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     try:
         with checkpoint_folders_locked(config):  # one writer per folder
             config.check_resume()
-            with flight_folder() as flight:  # a hang's diagnosis joins the error
+            # a hang's diagnosis joins the error; the folder goes with the reaper too
+            with flight_folder() as flight, reaped_with_launches(flight):
                 return _launch_workers(config, backend, device, timeout, progress, flight)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
