@@ -110,10 +110,11 @@ def launch_descendants(root: int) -> list[int]:
 def end_silently_while_the_peer_fails(how: str) -> int:
     """Rank 1 loads every core, then ends without a word (killed by SIGKILL, or
     `os._exit(3)`), and rank 0's next collective fails because of it, writing an error.
-    Before it ends, rank 1 leaves a
-    child that keeps the launcher's watch on rank 1 open for a while (the fds a forked
-    child inherits), with the sockets closed: the launcher learns of rank 0's error
-    before it learns rank 1 is gone, which is what a busy machine does by chance."""
+    Before it ends, rank 1 leaves a child holding its descriptors (its sockets closed, so
+    that rank 0 sees them close): a spawned rank's end then reaches the launcher only when
+    that child ends, after rank 0's error, which is what a busy machine does by chance. A
+    rank forked by the fork server is reported by the server, in whatever order the
+    load gives."""
     t = torch.ones(1)
     dist.all_reduce(t)  # both ranks are up
     if dist.get_rank() == 1:
