@@ -1,9 +1,11 @@
 """Workers for the launcher's tests: they must live in an importable module."""
 
 import os
+import signal
 import time
 
 import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,10 @@ def rank_times_ten() -> int:
     t = torch.tensor([float(dist.get_rank())], device=rank_device())
     dist.all_reduce(t)  # proves the ranks really talk to each other
     return dist.get_rank() * 10 + int(t.item()) * 0
+
+
+def rank_and_sum_of_ranks() -> tuple[int, float]:
+    return dist.get_rank() * 10, sum_of_ranks()
 
 
 def sum_of_ranks() -> float:
@@ -99,3 +105,32 @@ def launch_descendants(root: int) -> list[int]:
             if not shared:
                 found.append(pid)
     return found
+
+
+def end_silently_while_the_peer_fails(how: str) -> int:
+    """Rank 1 loads every core, then ends without a word (killed by SIGKILL, or
+    `os._exit(3)`), and rank 0's next collective fails because of it, writing an error.
+    Before it ends, rank 1 leaves a child holding its descriptors (its sockets closed, so
+    that rank 0 sees them close): a spawned rank's end then reaches the launcher only when
+    that child ends, after rank 0's error, which is what a busy machine does by chance. A
+    rank forked by the fork server is reported by the server, in whatever order the
+    load gives."""
+    t = torch.ones(1)
+    dist.all_reduce(t)  # both ranks are up
+    if dist.get_rank() == 1:
+        for _ in range(os.cpu_count() or 2):  # a busy machine, ended with this rank's group
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        if os.fork() == 0:
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                        os.close(int(fd))  # the peer must see this rank's sockets close
+                except OSError:
+                    pass
+            time.sleep(60)  # ended with this rank's process group by the launcher
+            os._exit(0)
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.all_reduce(t)  # fails: the peer is gone
+    return 0

@@ -252,3 +252,44 @@ def check_parity(result: dict, steps: int) -> None:
     else:
         assert result["loss_diff"] <= 1e-2, case
         assert result["param_diff"] <= 2 * lr * steps, case
+
+
+def auto_wrap_cases(cases: list[tuple[str, str]], steps: int = 1) -> list[dict]:
+    """Each (model, strategy) wrapped by "auto", trained `steps` steps beside `single` on
+    the whole batch and beside PyTorch's `fully_shard` of the same model (the case
+    "torch-fsdp2", which must come first for its model). For each: the units, the
+    largest differences in losses and full parameters from both, and for every tied
+    weight this rank's piece: its elements, whether the steps changed it, and its
+    largest difference from PyTorch's piece on this rank (dim-0 layouts only: ZeRO-3's
+    pieces are ranges of a flat buffer, other ranges of the same parameter)."""
+    from shardlab.measure import state_bytes
+    from shardlab.wrap import describe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec, fp32 = OPTIMIZERS["adamw"], get_precision("fp32")
+    references, torch_runs, results = {}, {}, []
+    for model_name, strategy in cases:
+        base = build_model(model_name, seed=0)
+        if model_name not in references:
+            ref = get_strategy("single")(copy.deepcopy(base), fp32, spec, {})
+            references[model_name] = train_steps(ref, 0, 1, steps, keep_params=True)
+        wrapped = get_strategy(strategy)(copy.deepcopy(base), fp32, spec, {"wrap": "auto"})
+        before = {p.name: p.values.clone() for p in wrapped.pieces() if p.aliases}
+        losses, params = train_steps(wrapped, rank, world, steps, keep_params=True)
+        pieces = {p.name: p.values.detach().clone() for p in wrapped.pieces() if p.aliases}
+        if strategy == "torch-fsdp2":
+            torch_runs[model_name] = (losses, params, pieces)
+        theirs = torch_runs[model_name]
+        result = {"model": model_name, "strategy": strategy,
+                  "units": describe(base, "auto"),
+                  "bytes": state_bytes(*wrapped.holders()),
+                  "tied": {name: {"numel": v.numel(),
+                                  "changed": not torch.equal(before[name], v),
+                                  "vs_torch": ((v - theirs[2][name]).abs().max().item()
+                                               if strategy != "zero3" and v.numel() else 0.0)}
+                           for name, v in pieces.items()}}
+        result.update(_diffs(losses, params, *references[model_name]))
+        result.update({f"{k}_vs_torch": v
+                       for k, v in _diffs(losses, params, *theirs[:2]).items()})
+        results.append(result)
+    return results

@@ -13,7 +13,8 @@ against one process on the whole batch, and against the layout each strategy pro
   other parity tests (losses 1e-5, parameters 1e-4: a tenth of one Adam step);
 * bytes held: every rank's parameters, gradients and optimizer states equal what the
   layout gives, computed here from the parameter shapes alone (the formula
-  `shardlab.memory.model_states` applied to each flat buffer or parameter, with the
+  `shardlab.memory.model_states` applied to each flat buffer, `memory.dim0_states` to
+  FSDP2's dim-0 cut of each parameter at any world size, with the
   padding to a multiple of N and Adam's 4-byte step counters it leaves out on purpose);
   a frozen parameter holds its parameter bytes and nothing else;
 * bytes moved: the all-gathers carry every parameter, the reduce-scatters only the
@@ -160,18 +161,13 @@ def expected_state_bytes(model_name: str, strategy: str, world: int,
         grads = sum(per.grads * ceil_div(t, N) for t, _ in units)
         optimizer = sum(per.optimizer * ceil_div(t, N) + COUNTER for t, _ in units if t)
     else:  # fsdp2, torch-fsdp2: each parameter cut along dim 0, ceil(d0/N) rows a rank
-        def shard(p, padded=True):
-            rows = ceil_div(p.shape[0], N)
-            if not padded:  # the rows that exist on this rank: the last ranks get fewer
-                rows = max(0, min(rows, p.shape[0] - rank * rows))
-            return rows * (p.numel() // p.shape[0])
-        params = per.params * sum(shard(p) for p in trainable + frozen)
-        grads = per.grads * sum(shard(p) for p in trainable)
+        # (the last ranks fewer): the planner's per-rank arithmetic, `memory.dim0_states`.
         # PyTorch's FSDP2 pads the storage of parameters and gradients, but Adam's states
         # are made from the unpadded local tensors; ours pads them too.
-        padded = strategy == "fsdp2"
-        optimizer = (per.optimizer * sum(shard(p, padded) for p in trainable)
-                     + COUNTER * len(trainable))
+        states = memory.dim0_states(memory.parameter_shapes(model), N, rank, "fp32", "adamw",
+                                    optimizer_padded=strategy == "fsdp2")
+        params, grads = states.params, states.grads
+        optimizer = states.optimizer + COUNTER * len(trainable)
     return {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers}
 
 

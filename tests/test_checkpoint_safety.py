@@ -6,24 +6,32 @@ truncated metadata, a metadata file crafted to run code when unpickled. Each is 
 with one error naming the checkpoint and the file, and resuming falls back to the newest
 checkpoint that verifies, saying which it skipped. And a `Wrapped` that cannot say how
 its state is laid out is refused on save and on load, instead of resuming from wrong
-weights.
+weights. Saves that fail (a full disk, a folder removed, a file system turned read-only)
+say why in one line and leave nothing half-written; a second run on a folder in use is
+refused before it trains.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from shardlab import checkpoint
 from shardlab.launch import launch
 from shardlab.manifest import MANIFEST, CheckpointError
-from shardlab.train import TrainConfig, train_worker
+from shardlab.train import TrainConfig, run, train_worker
 
 CONFIG = TrainConfig(steps=3, save_every=1, seq_len=16, measure_memory=False,
                      record_ledger=False, keep_params=True)
@@ -250,3 +258,118 @@ def test_a_wrapped_without_a_declared_layout_is_refused(tmp_path):
     for error in launch(wrapped_without_a_layout, 2, str(tmp_path))[0]:
         assert "declares no checkpoint layout" in error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB file system of its own (a checkpoint of gpt-tiny is 1.7 MB: two fit, the
+    third does not), or None where this process may not mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if made.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fault_at_save(monkeypatch, at_step: int, fault, after: bool = False) -> None:
+    """Run `fault(folder)` just before (or after) DCP writes step `at_step`'s files: what
+    PyTorch or the file system then raises is their own, not one made up by the test."""
+    real = dcp.save
+
+    def save(state, storage_writer, **kwargs):
+        hit = int(state["progress.step"]) == at_step
+        if hit and not after:
+            fault(Path(storage_writer.path))
+        written = real(state, storage_writer=storage_writer, **kwargs)
+        if hit and after:
+            fault(Path(storage_writer.path))
+        return written
+
+    monkeypatch.setattr(dcp, "save", save)
+
+
+def test_a_full_disk_is_told_plainly_and_leaves_no_tmp(small_disk, tmp_path, monkeypatch):
+    """A save that fills the disk halfway: torch raises `[enforce fail at
+    inline_container.cc] unexpected pos` (or an ENOSPC, by the writer); the run ends with
+    one line naming the folder, the step, the cause and the last complete checkpoint."""
+    root = (small_disk or tmp_path) / "ckpt"
+    if small_disk is None:  # no privilege to mount: the writer fails as a full disk does
+        def full(tmp):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "__0_0.distcp"))
+        fault_at_save(monkeypatch, 3, full)
+    with pytest.raises(CheckpointError) as info:
+        train_worker(replace(CONFIG, steps=4, checkpoint_dir=str(root)))
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"saving step 3 into {root} failed: no space left on the device" in message
+    assert f"the last complete checkpoint is {root / 'step-000002'}" in message
+    assert "the unfinished step-000003.tmp was removed" in message
+    if small_disk is not None:  # the error torch really raises for a full disk
+        assert "unexpected pos" in message or "No space left" in message
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
+    checkpoint.load(root / "step-000002", train_worker_wrapped())  # intact
+
+
+def train_worker_wrapped():
+    from shardlab.models import build_model
+    from shardlab.precision import get_precision
+    from shardlab.strategy import get_strategy, optimizer_spec
+    return get_strategy("single")(build_model("gpt-tiny"), get_precision("fp32"),
+                                  optimizer_spec("adamw", 1e-3), {})
+
+
+@pytest.mark.parametrize("fault,reason", [
+    (lambda tmp: shutil.rmtree(tmp.parent), "the folder was removed while the run was"),
+    (lambda tmp: shutil.rmtree(tmp), "a file of the save was removed while it was written"),
+])
+def test_a_folder_removed_mid_run_is_told_plainly(tmp_path, monkeypatch, fault, reason):
+    root = tmp_path / "ckpt"
+    fault_at_save(monkeypatch, 2, fault, after=True)  # before, DCP would make it again
+    with pytest.raises(CheckpointError) as info:
+        train_worker(replace(CONFIG, steps=3, checkpoint_dir=str(root)))
+    assert f"saving step 2 into {root} failed: {reason}" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert not (root / "step-000002.tmp").exists()
+
+
+def test_a_permission_lost_mid_run_is_told_plainly(small_disk, monkeypatch):
+    """The file system turns read-only between two saves (a remount, as a full or failing
+    disk does): the next save names that, and the checkpoint before it stays whole."""
+    if small_disk is None:
+        pytest.skip("needs a file system this test can remount read-only")
+    root = small_disk / "ckpt"
+    fault_at_save(monkeypatch, 2, lambda tmp: subprocess.run(
+        ["mount", "-o", "remount,ro", str(small_disk)], check=True))
+    with pytest.raises(CheckpointError) as info:
+        train_worker(replace(CONFIG, steps=3, checkpoint_dir=str(root)))
+    message = str(info.value)
+    assert f"saving step 2 into {root} failed: the folder can no longer be written" in message
+    assert "Read-only file system" in message
+    assert f"the last complete checkpoint is {root / 'step-000001'}" in message
+
+
+def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tmp_path):
+    """Two runs saving into one folder would each clean the other's unfinished save: the
+    second is refused before a process starts (the timeout is far too short to launch),
+    naming the first; resuming from a folder in use is refused too."""
+    host = socket.gethostname()
+    with checkpoint.writer_lock(tmp_path):  # the first run, still training
+        for change in ({"save_every": 1}, {"resume": True}):
+            with pytest.raises(ValueError, match=rf"checkpoint_dir '{tmp_path}' is in use by "
+                                                 rf"another run \(pid {os.getpid()} on "
+                                                 rf"{host}, since "):
+                run(replace(CONFIG, checkpoint_dir=str(tmp_path), **change), timeout=1)
+    # what a run killed by SIGKILL leaves: a lock file naming a dead process, unlocked
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / checkpoint.lock.LOCK_NAME).write_text(
+        json.dumps({"pid": int(dead), "host": host, "since": 0}))
+    with checkpoint.writer_lock(tmp_path) as lock:  # stale: the next run takes it
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()  # a run that ends leaves only its checkpoints

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import launch_workers as w
-from shardlab import demo
+from shardlab import checkpoint, demo
+from shardlab.launch.hygiene import reclaim_run_dirs
 from shardlab.launch import (LaunchError, LaunchTimeout, RankFailed, choose_placement, launch,
                              placement, resolve_backend)
 
@@ -39,8 +40,9 @@ def no_leftover_processes():
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_results_come_back_in_rank_order(world):
-    assert launch(w.rank_times_ten, world) == [10 * r for r in range(world)]
-    assert launch(w.sum_of_ranks, world) == [float(sum(range(world)))] * world
+    # one launch: each rank's own value, and one that all ranks computed together
+    assert launch(w.rank_and_sum_of_ranks, world) == [
+        (10 * r, float(sum(range(world)))) for r in range(world)]
 
 
 def test_backend_auto_is_gloo_without_gpus():
@@ -234,33 +236,51 @@ def start_script(folder: Path, source: str) -> tuple[str, subprocess.Popen]:
                                    stderr=subprocess.PIPE)
 
 
+def run_dirs_of(pid: int) -> set[Path]:
+    return {p for p in Path(tempfile.gettempdir()).glob("shardlab-launch-*")
+            if (p / "owner.pid").is_file() and (p / "owner.pid").read_text() == str(pid)}
+
+
 @pytest.mark.parametrize("moment", ["starting", "ranks-importing", "running"])
 def test_killing_the_launching_process_leaves_nothing(tmp_path, moment):
     """kill -9 of the script that launched, at any moment: while it starts the ranks,
     while they import torch, while they run (and have started children of their own).
-    Within a few seconds no process of the launch remains, and the next launch removes
-    the run folder the killed one could not."""
+    Within a few seconds no process of the launch remains, and its run folder is gone
+    (removed by the reaper, without waiting for a next launch)."""
     token, parent = start_script(tmp_path, SCRIPT)
     if moment == "starting":
         deadline = time.monotonic() + 60
         while len(processes_with(token)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)  # the script and its first rank: spawning has begun
     elif moment == "ranks-importing":
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60
+        while not run_dirs_of(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the script has imported torch and begun to launch
+        time.sleep(0.5)
     else:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("child*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(list(tmp_path.glob("child*"))) == 2
-    run_dirs = {p for p in Path(tempfile.gettempdir()).glob("shardlab-launch-*")
-                if (p / "owner.pid").is_file()
-                and (p / "owner.pid").read_text() == str(parent.pid)}
+    run_dirs = run_dirs_of(parent.pid)
+    assert moment == "starting" or run_dirs
     assert parent.poll() is None, parent.communicate()[1]  # still running when killed
     parent.kill()
     parent.wait()
     assert gone_within(token, 10), f"left behind: {processes_with(token)}"
-    launch(w.rank_times_ten, 1)  # the next launch reclaims the dead one's folder
-    assert not any(p.exists() for p in run_dirs)
+    assert not any(p.exists() for p in run_dirs)  # the reaper, last to end, removed it
+
+
+def test_the_next_launch_reclaims_a_folder_whose_owner_is_dead(tmp_path):
+    """What is left if even the reaper was killed: the next launch removes it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    mine, theirs = tmp_path / "shardlab-launch-mine", tmp_path / "shardlab-launch-theirs"
+    for folder, owner in ((mine, str(os.getpid())), (theirs, dead)):
+        folder.mkdir()
+        (folder / "owner.pid").write_text(owner)
+    assert reclaim_run_dirs(str(tmp_path)) == [theirs]
+    assert mine.exists() and not theirs.exists()
 
 
 SLOW_START = """
@@ -361,3 +381,71 @@ def test_placements_that_cannot_run_are_refused(backend, device, world, gpus, me
 
 def test_a_rank_reports_its_placement():
     assert launch(placement, 2) == ["gloo: 2 rank(s) on the CPU"] * 2
+
+
+@pytest.mark.parametrize("how,said", [
+    ("signal", "the process was killed by signal SIGKILL"),
+    ("exit", "the process exited with code 3 without a result or an error"),
+])
+def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, said):
+    """On a loaded machine, rank 1 dies silently; rank 0's collective fails and writes
+    an error, which the launcher sees first. The cause named is rank 1, whatever the
+    order of arrival; the load and what rank 1 left are gone with the launch."""
+    with pytest.raises(RankFailed) as info:
+        launch(w.end_silently_while_the_peer_fails, 2, how, timeout=120)
+    assert info.value.rank == 1, str(info.value)
+    assert said in info.value.rank_traceback
+
+
+def test_killing_a_training_command_leaves_no_folder(tmp_path):
+    """`python -m shardlab train` (its progress file and the ranks' flight recorders in
+    folders of their own, beside the launch's) killed by SIGKILL while it trains: every
+    folder goes with the reaper, and the checkpoint folder's lock with the process."""
+    token = f"shardlab-test-{uuid.uuid4().hex}"
+    ckpt = tmp_path / "ckpt"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "shardlab", "train", "--steps", "100000", "--seq-len", "16",
+         "--no-memory", "--no-ledger", "--save-every", "1", "--checkpoint-dir", str(ckpt)],
+        env={**os.environ, "SHARDLAB_TEST_TOKEN": token}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # training: a save has begun
+    folders = run_dirs_of(train.pid)
+    assert len(folders) == 3, folders  # the launch's, the progress file's, the flight's
+    train.kill()
+    train.wait()
+    assert gone_within(token, 10), f"left behind: {processes_with(token)}"
+    assert not any(p.exists() for p in folders)
+    with checkpoint.writer_lock(ckpt):  # free: its holder is gone
+        pass
+
+
+class Ended:
+    """A rank's process as `the_cause` reads it: an exit code, known from `after` on."""
+
+    def __init__(self, exitcode, after: float = 0.0):
+        self._exitcode, self._known = exitcode, time.monotonic() + after
+
+    @property
+    def exitcode(self):
+        return self._exitcode if time.monotonic() >= self._known else None
+
+
+def test_the_cause_is_the_rank_that_ended_silently_whenever_its_end_is_seen(tmp_path):
+    """The rule alone, without timing: rank 0 wrote an echo (its collective lost a peer);
+    rank 1 was killed, its end seen at once, or only 0.3 s after the echo (a busy
+    machine); rank 2 is still running. Rank 1 is named either way; a rank that raised
+    an error of its own is named by its error when no rank ended silently."""
+    from shardlab.launch.blame import the_cause
+    from shardlab.launch.hygiene import RankProcess
+    (tmp_path / "rank0.error").write_text("RuntimeError: Connection closed by peer\n")
+    for after in (0.0, 0.3):
+        ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(-9, after)),
+                 RankProcess(2, Ended(None))]
+        cause = the_cause(ranks, tmp_path)
+        assert cause.rank == 1 and "killed by signal SIGKILL" in cause.rank_traceback
+        assert "ranks 0 then failed in their collectives" in cause.rank_traceback
+    ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(None))]
+    (tmp_path / "rank0.error").write_text("ValueError: a bad option\n")
+    assert the_cause(ranks, tmp_path).rank == 0  # not an echo: named without waiting

@@ -19,10 +19,10 @@ PACKAGE = Path(shardlab.__file__).parent
 # each part are listed, so that a new part must be given a layer too.
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
-        "launch.starter",
+        "launch.starter", "launch.blame",
         "precision", "measure", "clock", "hardware", "network", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
-        "memory.allocator",
+        "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "hangs"},
     2: {"strategy"},
@@ -34,7 +34,8 @@ LAYERS = {
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe"},
     4: {"viz", "report",
-        "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export"},
+        "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
+        "checkpoint.failures", "checkpoint.lock"},
     5: {"config", "train", "demo", "cli", "__main__", "hang_runs"},
 }
 

@@ -383,3 +383,44 @@ def test_the_cuda_allocators_blocks_and_segments(nbytes, block, segment):
 def test_the_allocator_refuses_nonsense():
     with pytest.raises(ValueError, match="nbytes must be a whole number > 0"):
         memory.cuda_block_bytes(0)
+
+
+def test_fsdp2_s_dim0_split_at_a_world_size_that_does_not_divide_the_rows():
+    """`torch.chunk` along dim 0: ceil(d0/N) rows for the first ranks, the rest after;
+    a router of 4 experts on 3 ranks is rows 2, 2, 0. Storage is padded to ceil(d0/N)
+    rows on every rank; the rows that exist add up to the parameter."""
+    assert [memory.rows_of(4, 3, r) for r in range(3)] == [2, 2, 0]
+    assert [memory.rows_of(256, 3, r) for r in range(3)] == [86, 86, 84]
+    assert [memory.rows_of(5, 4, r) for r in range(4)] == [2, 2, 1, 0]
+    router, embedding, bias = (4, 64), (256, 64), (64,)
+    shapes = [router, embedding, (bias, False)]  # a frozen bias: parameter bytes only
+    exist = [memory.shard_elements(shapes, 3, r, padded=False) for r in range(3)]
+    assert sum(exist) == 4 * 64 + 256 * 64 + 64
+    assert exist == [2 * 64 + 86 * 64 + 22, 2 * 64 + 86 * 64 + 22, 84 * 64 + 20]
+    padded = memory.shard_elements(shapes, 3, 2)
+    assert padded == 2 * 64 + 86 * 64 + 22
+    ours = memory.dim0_states(shapes, 3, 2, "fp32", "adamw")
+    theirs = memory.dim0_states(shapes, 3, 2, "fp32", "adamw", optimizer_padded=False)
+    assert ours == memory.Breakdown(4 * padded, 4 * (2 + 86) * 64, 8 * (2 + 86) * 64)
+    assert theirs == memory.Breakdown(4 * padded, 4 * (2 + 86) * 64, 8 * 84 * 64)
+    # N dividing every d0: the even split of the formula, on every rank
+    even = memory.dim0_states_per_rank([(6, 8), (12, 8)], 3, "bf16-mixed", "adamw")
+    assert all(b == memory.model_states(18 * 8, 3, 3) for b in even)
+    with pytest.raises(ValueError, match="rank must be in 0..2"):
+        memory.rows_of(4, 3, 3)
+
+
+def test_the_planner_gives_fsdp2_s_bytes_of_every_rank_at_any_world_size():
+    """From a configuration alone: the shapes add up to Ψ for every model; Mixtral's 8
+    experts (fused, 8 rows) on 3 GPUs are 3, 3 and 2 a rank, so the ranks' model states
+    differ and the largest exceeds the even split; on 8 GPUs every rank holds Ψ/8."""
+    from math import prod
+    for cfg in memory.MODELS.values():
+        assert sum(prod(s) for s in cfg.parameter_shapes()) == cfg.num_params(), cfg.name
+    mixtral = memory.get_model("mixtral-8x7b")
+    psi = mixtral.num_params()
+    by_rank = memory.fsdp2_states_by_rank(mixtral, 3, "bf16-mixed", "adamw")
+    even = memory.model_states(psi, 3, 3, "bf16-mixed", "adamw").total
+    assert by_rank[0].total > 1.05 * even and by_rank[2].total < 0.95 * even
+    assert sum(b.optimizer for b in by_rank) == 12 * psi  # the rows that exist, once
+    assert len({b.total for b in memory.fsdp2_states_by_rank(mixtral, 8)}) == 1

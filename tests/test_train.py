@@ -29,6 +29,17 @@ def _one_thread_everywhere(one_thread):
     ({"strategy": "ddp", "world": 3}, "multiple of 3"),
     ({"strategy": "ddp", "world": 2, "grad_accum": 3}, "multiple of 6"),
     ({"steps": 0}, "steps must be a whole number >= 1"),
+    ({"lr": float("nan")}, "lr must be a finite number > 0, got nan"),
+    ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+    ({"lr": float("inf")}, "lr must be a finite number > 0"),
+    ({"seq_len": 100000}, r"seq_len 100000 is longer than model 'gpt-tiny' takes \(64 "),
+    ({"model": "hf-llama", "seq_len": 65}, r"longer than model 'hf-llama' takes \(64 "),
+    ({"model": "toy-tied", "seq_len": 10**6}, "longer than the training corpus"),
+    ({"seed": -1}, "seed must be a whole number >= 0"),
+    ({"crash_at_step": -2}, "crash_at_step must be a step"),
+    ({"slow_rank": 3, "slow_seconds": 0.1}, "slow_rank must be a rank of the run"),
+    ({"slow_rank": 0, "slow_seconds": float("inf")}, "slow_seconds must be a finite"),
+    ({"memory_limit": 0}, "memory_limit must be a whole number of bytes"),
 ])
 def test_bad_configs_are_refused_before_any_process_starts(change, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,14 @@
-"""Wrap policies: which modules become units, children before parents, the root last."""
+"""Wrap policies: which modules become units, children before parents, the root last; a
+unit whose weight is tied outside it folded into their common parent, and the wraps
+"auto" gives trained under ZeRO-3 and FSDP2 alike at a world size that divides neither a
+vocabulary nor a mixture's experts."""
 
 import pytest
 from torch import nn
 
+import sharded_workers as w
+from shardlab import memory
+from shardlab.launch import launch
 from shardlab.models import GPT, Block, build_model
 from shardlab.wrap import describe, layer_classes, unit_modules
 
@@ -101,3 +107,104 @@ def test_min_params_passes_over_containers_that_are_never_called():
 def test_a_policy_that_picks_a_container_is_refused(policy):
     with pytest.raises(ValueError, match=r"picks containers \(ModuleList\).*pick the layers"):
         unit_modules(build_model("gpt-tiny"), policy)
+
+
+# ----------------------------------------------------------------------------- tied weights
+
+
+def test_a_unit_whose_weight_is_tied_outside_it_is_folded_into_their_common_parent():
+    """BERT for masked LM ties its decoder (in `cls`) to the word embeddings, whose module
+    `_no_split_modules` names as a layer: "auto" and the class policies fold that unit
+    into the model (their common parent), keeping the layers; a weight tied inside one
+    unit, or to nothing, changes nothing."""
+    bert = build_model("hf-bert-mlm")
+    layers = list(bert.bert.encoder.layer)
+    assert bert.cls.predictions.decoder.weight is bert.bert.embeddings.word_embeddings.weight
+    assert unit_modules(bert, "auto") == [*layers, bert]
+    assert unit_modules(bert, "class:BertEmbeddings,BertLayer") == [*layers, bert]
+    # an embedding picked alone: the tied one folds, the untied ones stay units
+    picked = unit_modules(bert, nn.Embedding)
+    assert bert.bert.embeddings.word_embeddings not in picked
+    assert bert.bert.embeddings.position_embeddings in picked
+    gpt = build_model("gpt-tiny")  # tied too, but embedding and head are the root's
+    assert unit_modules(gpt, "auto") == [*gpt.blocks, gpt]
+
+
+def test_a_tie_under_a_callable_parent_folds_into_that_parent():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = nn.Sequential(Pair(), nn.Linear(4, 4))
+    assert unit_modules(model, "class:Linear") == [model[0], model[1], model]
+
+
+def test_a_mixture_of_experts_decoder_is_wrapped_by_its_layers():
+    model = build_model("hf-mixtral")
+    assert unit_modules(model, "auto") == [*model.model.layers, model]
+
+
+# One launch on 3 ranks, which divide neither the byte vocabulary (256 rows) nor the
+# mixture's 4 experts: each model wrapped by "auto" under PyTorch's `fully_shard` first
+# (the reference), then ZeRO-3 and FSDP2.
+WORLD = 3
+AUTO_CASES = [(model, strategy) for model in ("hf-bert-mlm", "hf-mixtral")
+              for strategy in ("torch-fsdp2", "zero3", "fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def auto_runs():
+    pytest.importorskip("transformers")
+    return launch(w.auto_wrap_cases, WORLD, AUTO_CASES, 1, timeout=600)
+
+
+def test_auto_trains_a_tied_encoder_and_a_mixture_under_zero3_and_fsdp2(auto_runs):
+    """A policy the course chooses gives a wrap both sharded strategies accept, and they
+    train like one process and like PyTorch's `fully_shard`."""
+    for rank in auto_runs:
+        for case in rank:
+            assert case["loss_diff"] <= 1e-5 and case["param_diff"] <= 1e-4, case
+            assert case["loss_diff_vs_torch"] <= 1e-5, case
+            assert case["param_diff_vs_torch"] <= 1e-5, case
+
+
+def test_every_rank_s_shard_of_a_tied_weight_is_stepped(auto_runs):
+    """The silent bug PyTorch once shipped: with a tied weight whose rows N does not
+    divide, the last rank's shard was never updated. Every rank that holds a piece of a
+    tied weight sees it change after a step, and under FSDP2 each rank's piece equals
+    PyTorch's piece on that rank."""
+    for rank, cases in enumerate(auto_runs):
+        for case in cases:
+            assert case["tied"], case  # both models tie their token embedding
+            for name, piece in case["tied"].items():
+                assert piece["changed"] or piece["numel"] == 0, (rank, case["strategy"], name)
+                assert piece["vs_torch"] <= 1e-5, (rank, case["strategy"], name)
+    embedding = [c["tied"]["model.embed_tokens.weight"]["numel"] for c in
+                 (cases[4] for cases in auto_runs)]  # hf-mixtral under zero3
+    assert all(embedding), embedding  # every rank holds some of it, and stepped it
+
+
+def test_per_rank_bytes_of_an_uneven_dim0_split_are_the_planner_s(auto_runs):
+    """4 experts on 3 ranks: rows 2, 2, 0, so the ranks hold unequal model states, none
+    of them Ψ/N. `memory.dim0_states` gives each rank's bytes: padded storage for
+    parameters, and for Adam's states ours pads too, PyTorch's holds the rows that exist."""
+    model = build_model("hf-mixtral")
+    shapes = memory.parameter_shapes(model)
+    counters = 4 * len(shapes)  # Adam's step counter per parameter, one fp32 scalar
+    for index, padded in ((3, False), (5, True)):
+        expected = memory.dim0_states_per_rank(shapes, WORLD, "fp32", "adamw",
+                                               optimizer_padded=padded)
+        for rank, cases in enumerate(auto_runs):
+            held, e = cases[index]["bytes"], expected[rank]
+            assert (held["params"], held["optimizer"]) == (e.params, e.optimizer + counters), \
+                (cases[index]["strategy"], rank, held, e)
+    psi = sum(p.numel() for p in model.parameters())
+    shares = [e.total / memory.model_states(psi, WORLD, 3, "fp32", "adamw").total
+              for e in memory.dim0_states_per_rank(shapes, WORLD, "fp32", "adamw",
+                                                   optimizer_padded=False)]
+    assert shares[2] < 0.9 < 1.1 < shares[0], shares  # not the even split's 1.0

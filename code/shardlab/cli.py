@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
 SHARDS_BY_UNITS = ("zero3", "fsdp2", "torch-fsdp2")
 
 
+# The library's messages name TrainConfig's fields and load's arguments; said from the
+# command line, they name the flags that set them.
+_FLAG_WORDS = [
+    (r"\btrusted=True\b", "--trust-checkpoint"),
+    (r"\bresume=True\b", "--resume"),
+    (r"\bresume=False\b", "no --resume"),
+    (r"\b(precision|optimizer)='([^']*)'", r"--\1 \2"),
+    (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
+     r"trust_checkpoint|resume_world)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
+    (r"\bexport_path\b", "--export"),
+    (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),
+]
+
+
+def in_flags(message: str) -> str:
+    """`message` with the names of TrainConfig's fields as the flags that set them."""
+    for pattern, flag in _FLAG_WORDS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 after training, or 2 with one line `error: ...` on stderr for anything that
     cannot run, found before a process starts where it can be."""
@@ -105,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, LaunchError) as exc:
         message = (exc.rank_traceback.strip().splitlines()[-1]
                    if isinstance(exc, RankFailed) else str(exc))
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {in_flags(message)}", file=sys.stderr)
         if isinstance(exc, RankFailed) and getattr(exc, "hang", None) is not None:
             print(f"what the flight recorders say: {exc.hang}", file=sys.stderr)
         return 2

@@ -9,13 +9,16 @@ rank exists: a bad value is refused in one line there, not as a traceback from e
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardlab import checkpoint
-from shardlab.models import MODEL_NAMES, check_batch_split
+from shardlab.debugging import check_memory_limit, check_straggler
+from shardlab.models import MODEL_NAMES, check_batch_split, corpus_tokens, longest_sequence
 from shardlab.precision import get_precision
 from shardlab.strategy import checkpoint_refusal, get_strategy, optimizer_spec
 
@@ -70,10 +73,31 @@ class TrainConfig:
         optimizer_spec(self.optimizer, self.lr)
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
+                or not math.isfinite(self.lr) or self.lr <= 0:
+            # a NaN or negative rate trains without an error: every weight turns NaN,
+            # or the loss climbs
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
         for name in ("world", "steps", "batch_size", "seq_len", "grad_accum"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        for name in ("seed", "crash_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        if self.crash_at_step is not None and (
+                isinstance(self.crash_at_step, bool) or not isinstance(self.crash_at_step, int)
+                or self.crash_at_step < 0):
+            raise ValueError(f"crash_at_step must be a step (a whole number >= 0) or None, "
+                             f"got {self.crash_at_step!r}")
+        check_straggler(self.slow_rank, self.slow_seconds, self.world)
+        if not math.isfinite(self.slow_seconds):
+            raise ValueError(f"slow_seconds must be a finite number of seconds, got "
+                             f"{self.slow_seconds!r}")
+        if self.memory_limit is not None:
+            check_memory_limit(self.memory_limit)
+        self._check_seq_len()
         check_batch_split(self.batch_size, self.world, self.grad_accum)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
@@ -101,6 +125,18 @@ class TrainConfig:
             check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
         return self
 
+    def _check_seq_len(self) -> None:
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            return  # refused below, by name
+        longest = longest_sequence(self.model, self.model_config)
+        if longest is not None and self.seq_len > longest:
+            raise ValueError(f"seq_len {self.seq_len} is longer than model {self.model!r} "
+                             f"takes ({longest} positions); use seq_len <= {longest}")
+        windows = len(corpus_tokens()) - 1  # each row is seq_len + 1 bytes of the corpus
+        if self.seq_len >= windows:
+            raise ValueError(f"seq_len {self.seq_len} is longer than the training corpus "
+                             f"({windows} tokens); use seq_len < {windows}")
+
     def check_resume(self) -> int:
         """The step the run resumes at (0 without resume), read from the checkpoint's
         marker before any process starts; refuse a resume with nothing left to train."""
@@ -121,6 +157,11 @@ class TrainConfig:
             if not folder.is_dir():
                 raise ValueError(f"no checkpoint folder {folder}")
         if not checkpoint.is_complete(folder):
+            if not self.trust_checkpoint:  # the ranks' load would refuse it, later
+                raise ValueError(f"{folder} is not a complete shardlab checkpoint (no "
+                                 f"{checkpoint.MARKER} marker): resume from one that "
+                                 f"shardlab saved, or, for a checkpoint PyTorch wrote "
+                                 f"(dcp.save), ask for trust_checkpoint")
             return 0  # a foreign checkpoint (trust_checkpoint): its step is read on load
         saved = checkpoint.info(folder)
         if saved.get("precision", self.precision) != self.precision:
@@ -147,6 +188,28 @@ def checkpoint_roots(config: TrainConfig) -> list[Path]:
     if config.resume and config.resume is not True:
         roots.append(Path(config.resume).parent)
     return list(dict.fromkeys(roots))
+
+
+@contextlib.contextmanager
+def checkpoint_folders_locked(config: TrainConfig):
+    """Hold the writer's lock (`shardlab.checkpoint.writer_lock`) of every folder this run
+    saves into or cleans, from before the resume is checked until the ranks are done: a
+    second run on the same folder is refused before it trains, naming the first. Under
+    torchrun the lock is rank 0's, as the saves are."""
+    roots = checkpoint_roots(config) if (config.save_every or config.resume) else []
+    if os.environ.get("RANK", "0") != "0":
+        roots = []
+    with contextlib.ExitStack() as held:
+        for root in roots:
+            if not root.is_dir():
+                continue  # nothing there to clean or resume (refused next, by name)
+            try:
+                held.enter_context(checkpoint.writer_lock(root))
+            except OSError:
+                if root == Path(config.checkpoint_dir or "") and config.save_every:
+                    raise  # validate() found it writable; say what changed
+                # a read-only folder resumed from: nothing there is written or cleaned
+        yield
 
 
 def check_writable_folder(folder, what: str) -> None:

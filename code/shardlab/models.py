@@ -194,7 +194,7 @@ class HFModel:
     the course's GPT does not: layers under their own names (`model.transformer.h`,
     `model.model.layers`), rotary buffers, grouped-query attention, a `ModelOutput`."""
 
-    family: str                       # "gpt2" or "llama"
+    family: str                       # "gpt2", "llama", "bert" or "mixtral"
     config: tuple[tuple[str, object], ...]
     freeze_embeddings: bool = False   # token embeddings frozen (requires_grad=False)
 
@@ -208,11 +208,28 @@ _LLAMA = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 1
           ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", VOCAB_SIZE),
           ("max_position_embeddings", 64), ("bos_token_id", 0), ("eos_token_id", 0),
           ("pad_token_id", 0))
+# BERT for masked LM ties its decoder to the word embeddings, which `_no_split_modules`
+# names as a layer (`BertEmbeddings`): the tie spans two would-be units. Trained here on
+# the same next-byte targets as the others (it sees the whole row: a test model, not a
+# language model).
+_BERT = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 128),
+         ("num_attention_heads", 4), ("vocab_size", VOCAB_SIZE),
+         ("max_position_embeddings", 64), ("hidden_dropout_prob", 0.0),
+         ("attention_probs_dropout_prob", 0.0), ("pad_token_id", 0))
+# A mixture-of-experts decoder: 4 experts, 2 per token; its router has 4 rows, which
+# FSDP2's dim-0 split cannot share evenly among 3 ranks.
+_MIXTRAL = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
+            ("num_attention_heads", 4), ("num_key_value_heads", 2),
+            ("num_local_experts", 4), ("num_experts_per_tok", 2), ("vocab_size", VOCAB_SIZE),
+            ("max_position_embeddings", 64), ("bos_token_id", 0), ("eos_token_id", 0),
+            ("pad_token_id", 0), ("tie_word_embeddings", True))
 HF_MODELS = {
     "hf-gpt2": HFModel("gpt2", _GPT2),                       # tied embedding and head
     "hf-gpt2-frozen-emb": HFModel("gpt2", _GPT2, freeze_embeddings=True),
     "hf-llama": HFModel("llama", _LLAMA),                    # GQA: 4 query, 2 kv heads
     "hf-llama-frozen-emb": HFModel("llama", _LLAMA, freeze_embeddings=True),
+    "hf-bert-mlm": HFModel("bert", _BERT),                   # decoder tied across layers
+    "hf-mixtral": HFModel("mixtral", _MIXTRAL),              # 4 experts, tied head
 }
 MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS) + tuple(HF_MODELS)
 
@@ -225,7 +242,9 @@ def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
                          "pip install transformers") from None
     config_class, model_class = {
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[spec.family]
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "bert": (transformers.BertConfig, transformers.BertForMaskedLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[spec.family]
     known = config_class().to_dict()
     unknown = sorted(set(overrides or {}) - set(known))
     if unknown:  # a Hugging Face config keeps any keyword silently: refuse a typo here
@@ -276,6 +295,22 @@ def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- data
+
+
+def longest_sequence(name: str, config: dict | None = None) -> int | None:
+    """The longest sequence the model `name` (with `config`'s settings) takes: what its
+    position embedding covers. None for the toys, which have no positions. Read from the
+    settings, without building the model, so that the launching process checks it."""
+    overrides = config or {}
+    longest = None
+    if name in GPT_CONFIGS:
+        longest = overrides.get("block_size", GPT_CONFIGS[name].block_size)
+    elif name in HF_MODELS:
+        settings = {**dict(HF_MODELS[name].config), **overrides}
+        longest = next((settings[k] for k in ("n_positions", "max_position_embeddings")
+                        if k in settings), None)
+    # a setting that is not a whole number is the model's to refuse, by its name
+    return longest if isinstance(longest, int) and not isinstance(longest, bool) else None
 
 
 @lru_cache(maxsize=1)

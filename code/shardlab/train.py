@@ -41,10 +41,10 @@ from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
-                             rank_device, under_torchrun)
+                             rank_device, reaped_with_launches, under_torchrun)
 from shardlab.measure import state_bytes, track_peak
 from shardlab.clock import StepClock
-from shardlab.config import TrainConfig, checkpoint_roots
+from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
@@ -243,10 +243,12 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     if config.strategy == "single":
         config = replace(config, world=1)
     config.validate()
-    config.check_resume()
     try:
-        with flight_folder() as flight:  # a hang's diagnosis joins the error
-            return _launch_workers(config, backend, device, timeout, progress, flight)
+        with checkpoint_folders_locked(config):  # one writer per folder
+            config.check_resume()
+            # a hang's diagnosis joins the error; the folder goes with the reaper too
+            with flight_folder() as flight, reaped_with_launches(flight):
+                return _launch_workers(config, backend, device, timeout, progress, flight)
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
@@ -266,8 +268,9 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
     if not progress:
         return launch(train_worker, config.world, config, None, flight, **where)
     # a launch's folder, named as the launcher names its own: if this process is killed,
-    # the next launch finds its owner dead and removes it
-    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
+    # the launch's reaper removes it (and, failing that, the next launch)
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp, \
+            reaped_with_launches(tmp):
         (Path(tmp) / OWNER).write_text(str(os.getpid()))
         path = Path(tmp) / "progress"
         path.touch()

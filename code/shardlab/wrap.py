@@ -19,7 +19,9 @@ does this module, for both of the course's sharded strategies:
 
 Whatever a policy picks, `unit_modules` returns the units children before parents and
 the model itself last: the root takes the parameters no other unit took, and runs first
-and last in every step.
+and last in every step. A unit whose weight is tied to a module outside it is folded into
+their common parent (`fold_tied`), so that every wrap a policy gives is one that ZeRO-3
+and FSDP2 both accept.
 """
 
 from __future__ import annotations
@@ -129,9 +131,73 @@ def chosen_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
     raise ValueError(f"unknown wrap policy {policy!r}; {WRAP_HELP}")
 
 
+def _ancestors(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """Each module's chain from the model down to itself (by id)."""
+    chains: dict[int, list[nn.Module]] = {}
+
+    def visit(module: nn.Module, chain: list[nn.Module]) -> None:
+        if id(module) in chains:
+            return  # a module reached twice keeps its first place
+        chains[id(module)] = chain + [module]
+        for child in module.children():
+            visit(child, chains[id(module)])
+
+    visit(model, [])
+    return chains
+
+
+def common_parent(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
+    """The innermost module that contains every one of `modules`."""
+    chains = _ancestors(model)
+    paths = [chains[id(m)] for m in modules]
+    parent = model
+    for level in zip(*paths):
+        if any(m is not level[0] for m in level):
+            break
+        parent = level[0]
+    return parent
+
+
+def fold_tied(model: nn.Module, picked: list[nn.Module]) -> list[nn.Module]:
+    """`picked` with every unit whose parameter is tied to a module outside it folded
+    into their common parent.
+
+    A unit owns its parameters: gathered before its forward, freed after. A weight it
+    shares with a module outside it (BERT's masked-LM decoder reuses the word embeddings
+    that `_no_split_modules` makes a unit) would then be freed when the other module
+    needs it, or sharded twice, which unties it; FSDP2 refuses it outright. So the unit
+    gives way to the innermost module holding every user of the weight (a unit if it
+    can be called, else its parameters go to the unit around it: the model at worst),
+    and the tie lives inside one unit, for ZeRO-3 and FSDP2 alike."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(module)
+    units = list(picked)
+    while True:
+        for unit in units:
+            if unit is model:
+                continue
+            inside = {id(m) for m in unit.modules()}
+            outside = [h for p in unit.parameters() for h in holders[id(p)]
+                       if id(h) not in inside]
+            if outside:
+                break
+        else:
+            return units
+        units.remove(unit)
+        parent = common_parent(model, [unit, *outside])
+        if parent is not model and runs_forward(parent) and all(parent is not u
+                                                                 for u in units):
+            units.append(parent)
+
+
 def unit_modules(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
-    """The unit modules for `policy`: children before their parents, the model last."""
-    picked = chosen_modules(model, policy)
+    """The unit modules for `policy`: children before their parents, the model last; a
+    unit holding a weight tied to a module outside it is folded into their common
+    parent (`fold_tied`)."""
+    picked = fold_tied(model, chosen_modules(model, policy))
     containers = sorted({type(m).__name__ for m in picked
                          if m is not model and not runs_forward(m)})
     if containers:

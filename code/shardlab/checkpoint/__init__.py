@@ -9,6 +9,8 @@ a `fully_shard` model (`get_state_dict`, `dcp.load`, `set_state_dict`) or into o
 
     layout.py  each rank's pieces as DCP chunks (`boxes`), the state dict (`state_dict`)
     store.py   atomic saves, verified loads, `latest`, the folders (`save`, `load`)
+    failures.py  why a save failed, in one line
+    lock.py    one writer per folder (`writer_lock`)
     export.py  a full `torch.save` file, PyTorch's FSDP2 reading ours, timings and sizes
 """
 
@@ -17,9 +19,11 @@ from shardlab.checkpoint.export import (export_full_state_dict, files_per_rank,
 from shardlab.checkpoint.layout import boxes, ensure_optimizer_state, state_dict
 from shardlab.checkpoint.store import (MARKER, TMP_SUFFIX, clean_interrupted, info,
                                        is_complete, latest, load, save, step_folder)
+from shardlab.checkpoint.lock import FolderInUse, writer_lock
 from shardlab.manifest import CheckpointError
 
 __all__ = ["save", "load", "latest", "is_complete", "info", "step_folder",
            "clean_interrupted", "export_full_state_dict", "files_per_rank",
            "timed_save_load", "open_with_pytorch_fsdp2", "boxes", "state_dict",
-           "CheckpointError", "MARKER", "TMP_SUFFIX", "ensure_optimizer_state"]
+           "CheckpointError", "MARKER", "TMP_SUFFIX", "ensure_optimizer_state",
+           "writer_lock", "FolderInUse"]

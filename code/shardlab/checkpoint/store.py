@@ -8,7 +8,8 @@ the folder to `step-000012/`. `latest()` returns the newest checkpoint that veri
 says which newer ones it skipped; a save or a resume removes what an interrupted save left.
 
 What is written is `shardlab.checkpoint.layout`'s state dict; this module is the folders
-and the order of the steps that make a save all-or-nothing and a load safe.
+and the order of the steps that make a save all-or-nothing and a load safe. A save that
+fails says why in one line (`shardlab.checkpoint.failures`) and leaves no `.tmp` behind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardlab.checkpoint.failures import save_failed
 from shardlab.checkpoint.layout import (agree, barrier, pieces_of, quiet_warnings,
                                         rank_world, state_dict)
 from shardlab.manifest import (METADATA, CheckpointError, SafeReader, describe,
@@ -107,14 +109,27 @@ def clean_interrupted(root: str | os.PathLike) -> list[Path]:
 def save(root: str | os.PathLike, step: int, wrapped, info: dict | None = None) -> Path:
     """Save the state after `step` steps into `root/step-<step>/`, atomically, with a
     manifest. Called on every rank; returns the folder."""
+    root = Path(root)
     with quiet_warnings(), torch.no_grad():
-        return _save(Path(root), step, wrapped, info or {})
+        try:
+            return _save(root, step, wrapped, info or {})
+        except CheckpointError:
+            raise  # refused before a byte was written: already says why
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - told plainly
+            # DCP's CheckpointException is a BaseException, caught by name
+            raise save_failed(root, step, _tmp_folder(root, step), exc,
+                              is_complete) from exc
+
+
+def _tmp_folder(root: Path, step: int) -> Path:
+    final = step_folder(root, step)
+    return final.with_name(final.name + TMP_SUFFIX)
 
 
 def _save(root: Path, step: int, wrapped, extra: dict) -> Path:
     rank, world = rank_world()
     final = step_folder(root, step)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
+    tmp = _tmp_folder(root, step)
     state = state_dict(wrapped)  # refuses an undeclared layout before touching the disk
     if rank == 0:
         clean_interrupted(root)

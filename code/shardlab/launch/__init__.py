@@ -13,13 +13,15 @@ A file per part:
                  `rank_device()`, the device this rank computes on
     hygiene.py   no process outlives a launch: stopping ranks, the reaper, the watchdog,
                  SIGTERM, the run folders of dead launches
+    blame.py     which rank ended a launch: the one that died, not the peers it broke
     errors.py    `LaunchError`, `RankFailed`, `LaunchTimeout`
 """
 
 from shardlab.launch.devices import (BACKENDS, DEVICES, Placement, choose_placement,
                                      placement, rank_device, resolve_backend, visible_gpus)
 from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
-from shardlab.launch.hygiene import OWNER, RUN_DIR_PREFIX, reclaim_run_dirs
+from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, reaped_with_launches,
+                                     reclaim_run_dirs)
 from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
                                       launch, under_torchrun)
 
@@ -27,4 +29,4 @@ __all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_place
            "resolve_backend", "visible_gpus", "Placement", "BACKENDS", "DEVICES",
            "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
            "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
-           "RUN_DIR_PREFIX"]
+           "RUN_DIR_PREFIX", "reaped_with_launches"]

@@ -80,14 +80,16 @@ def die_with_parent(parent: int) -> None:
 
 
 # The reaper: a process without torch (it starts in milliseconds), started before any rank,
-# that holds the read end of a pipe from the launching process. It learns each rank's pid
-# as the rank starts; if the pipe ends without "done" (the launching process was killed,
-# even by SIGKILL), it kills every rank and the process group each rank leads. A rank's
-# own watchdog (`die_with_parent`) only starts once the rank has imported torch and the
-# launching script, seconds later on a busy machine: the reaper covers those seconds.
+# that holds the read end of a pipe from the launching process. It is given the run folder
+# as its argument and learns each rank's pid as the rank starts; if the pipe ends without
+# "done" (the launching process was killed, even by SIGKILL), it kills every rank and the
+# process group each rank leads, then removes the run folder, which nobody else would
+# remove until the next launch. A rank's own watchdog (`die_with_parent`) only starts once
+# the rank has imported torch and the launching script, seconds later on a busy machine:
+# the reaper covers those seconds.
 _REAPER = """
-import os, signal, sys
-pids = []
+import os, shutil, signal, sys
+pids, folders = [], sys.argv[1:]
 for line in sys.stdin.buffer:
     if line.strip() == b"done":
         sys.exit(0)
@@ -98,18 +100,39 @@ for pid in pids:
             kill(pid, signal.SIGKILL)
         except OSError:
             pass
+for folder in folders:  # the ranks are gone: nothing writes there any more
+    shutil.rmtree(folder, ignore_errors=True)
 """
 
 
-def start_reaper() -> subprocess.Popen | None:
+# Folders of the launching process that a reaper removes with the run folder (the
+# training loop's progress file, say): see `reaped_with_launches`.
+_ALSO_REAPED: list[str] = []
+
+
+@contextlib.contextmanager
+def reaped_with_launches(folder: str | os.PathLike):
+    """A folder of this process that the reaper of any launch started inside the block
+    removes too, if this process is killed."""
+    _ALSO_REAPED.append(os.fspath(folder))
+    try:
+        yield
+    finally:
+        _ALSO_REAPED.remove(os.fspath(folder))
+
+
+def start_reaper(run_dir: str | os.PathLike | None = None) -> subprocess.Popen | None:
+    """The reaper of a launch whose run folder is `run_dir`."""
+    folders = ([os.fspath(run_dir)] if run_dir is not None else []) + _ALSO_REAPED
     try:  # its own session: a Ctrl-C meant for the launch does not reach it
-        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER],
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, *folders],
                                 stdin=subprocess.PIPE, bufsize=0, start_new_session=True)
     except OSError:
         return None  # the ranks' watchdogs still end them
 
 
 def tell_reaper(reaper: subprocess.Popen | None, line: str) -> None:
+    """A rank's pid, or "done"."""
     if reaper is None:
         return
     with contextlib.suppress(OSError):  # a reaper that is gone has nothing left to do
@@ -163,7 +186,8 @@ def reclaim_run_dirs(tmp_root: str | None = None) -> list[Path]:
 def terminate_as_exit():
     """SIGTERM to the launching process (a job scheduler, `kill`) unwinds like Ctrl-C, so
     the ranks are stopped and the run folder removed; only SIGKILL leaves work to the
-    ranks' watchdogs and to the next launch's `reclaim_run_dirs`."""
+    reaper, the ranks' watchdogs and (if even the reaper was killed) the next launch's
+    `reclaim_run_dirs`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

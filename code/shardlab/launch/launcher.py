@@ -15,11 +15,12 @@ What `launch` promises, because a stuck or half-dead job is the worst thing a la
 * the rendezvous is a `TCPStore` that *this* process opens on 127.0.0.1 with a port the
   kernel picks (port 0), so two launches at once never fight over a port;
 * a rank that raises ends the launch: the other ranks are stopped and the caller gets one
-  `RankFailed` that names the rank and carries its traceback;
+  `RankFailed` that names the rank and carries its traceback; a rank killed by a signal
+  (or that exits without a word) is named before the peers whose collectives it broke;
 * a rank that hangs is stopped by the timeout, which names the ranks still running;
 * Ctrl-C stops every rank; if the launching process is killed (even by SIGKILL), a
-  small reaper process it started first kills the ranks at once, and each rank's own
-  watchdog ends it too once it is running;
+  small reaper process it started first kills the ranks at once and removes the run
+  folder, and each rank's own watchdog ends it too once it is running;
 * whatever happens, no process of the launch outlives the call;
 * what the ranks print is shown after they finish, grouped by rank, in rank order, so a
   notebook's stored output is the same on every run.
@@ -49,9 +50,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.launch.blame import the_cause
 from shardlab.launch.devices import (Placement, choose_placement, place_this_rank,
                                      visible_gpus)
-from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
+from shardlab.launch.errors import LaunchError, LaunchTimeout
 from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_with_parent,
                                      dismiss_reaper, reclaim_run_dirs, start_reaper,
                                      stop_ranks, tell_reaper, terminate_as_exit)
@@ -277,7 +279,7 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         run_dir = Path(tmp)
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:
-            reaper = start_reaper()
+            reaper = start_reaper(tmp)
             for rank in range(world):
                 p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                 args=(rank, world, store.port, payload, surroundings, tmp,
@@ -309,11 +311,4 @@ def _wait_all(ranks: list[RankProcess], run_dir: Path, timeout: float) -> None:
             r.process.join()
             if r.process.exitcode == 0 and (run_dir / f"rank{r.rank}.result").exists():
                 continue
-            # When one rank raises, its peers soon fail too (their collectives lose a
-            # peer); the first error written is the cause, the others are echoes.
-            errors = sorted(run_dir.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
-            if errors:
-                first = errors[0]
-                raise RankFailed(int(first.name[4:-6]), first.read_text())
-            raise RankFailed(r.rank, f"the process exited with code {r.process.exitcode} "
-                                     f"without a result (killed, or out of memory?)")
+            raise the_cause(ranks, run_dir)

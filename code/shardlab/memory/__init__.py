@@ -6,6 +6,7 @@ part, each usable alone, all imported from `shardlab.memory` as the chapters do:
     states.py       bytes per parameter and the stage formulas (with offload); GB, GiB
     configs.py      model configurations (GPT-2, GPT-3, Llama, Mixtral): Ψ by architecture
     activations.py  the bytes a layer keeps for its backward, under a recomputation policy
+    dim0.py         FSDP2's dim-0 split at any world size: each rank's rows and bytes
     planner.py      everything added up for every stage, what fits; the command line
     allocator.py    the CUDA caching allocator's block and segment rules
 
@@ -19,7 +20,10 @@ from shardlab.memory.allocator import (CUDA_BLOCK, CUDA_LARGE_ROUND, CUDA_MID,
                                        CUDA_MID_SEGMENT, CUDA_SMALL, CUDA_SMALL_SEGMENT,
                                        cuda_block_bytes, cuda_segment_bytes)
 from shardlab.memory.configs import MODELS, ModelConfig, as_config, get_model, num_params
-from shardlab.memory.planner import (PlanRow, bucket_bytes, format_bytes, gathered_bytes,
+from shardlab.memory.dim0 import (dim0_states, dim0_states_per_rank, parameter_shapes,
+                                   rows_of, shard_elements)
+from shardlab.memory.planner import (PlanRow, bucket_bytes, format_bytes,
+                                     fsdp2_states_by_rank, gathered_bytes,
                                      gathered_unit_bytes, main, parse_bytes, plan, table)
 from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
                                     GiB, bytes_per_param, check_choice, check_optimizer,
@@ -36,5 +40,6 @@ __all__ = [
     "activation_bytes", "gathered_unit_bytes", "gathered_bytes", "bucket_bytes", "PlanRow",
     "plan", "parse_bytes", "format_bytes", "table", "main", "CUDA_BLOCK", "CUDA_SMALL",
     "CUDA_SMALL_SEGMENT", "CUDA_MID", "CUDA_MID_SEGMENT", "CUDA_LARGE_ROUND",
-    "cuda_block_bytes", "cuda_segment_bytes",
+    "cuda_block_bytes", "cuda_segment_bytes", "rows_of", "shard_elements", "dim0_states",
+    "dim0_states_per_rank", "parameter_shapes", "fsdp2_states_by_rank",
 ]

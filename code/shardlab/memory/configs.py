@@ -79,6 +79,30 @@ class ModelConfig:
         return embedding + self.layers * self.layer_params() + final_norm + head
 
 
+    def parameter_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter's shape, as Hugging Face lays the model out (GPT-2's Conv1D
+        holds (in, out); a mixture holds its experts fused, (experts, rows, cols)): what a
+        dim-0 split cuts (`shardlab.memory.dim0`). Their elements add up to Ψ."""
+        h, kv, f, E = self.hidden, self.kv_dim, self.ffn, self.experts
+        shapes: list[tuple[int, ...]] = [(self.vocab, h)]
+        if self.positions:
+            shapes.append((self.positions, h))
+        for _ in range(self.layers):
+            if self.style == "gpt2":
+                shapes += [(h, h + 2 * kv), (h + 2 * kv,), (h, h), (h,),
+                           (h, f), (f,), (f, h), (h,), (h,), (h,), (h,), (h,)]
+                continue
+            shapes += [(h, h), (kv, h), (kv, h), (h, h), (h,), (h,)]
+            if E > 1:  # the router, then the experts' matrices fused
+                shapes += [(E, h), (E, 2 * f, h), (E, h, f)]
+            else:
+                shapes += [(f, h), (f, h), (h, f)]
+        shapes += [(h,), (h,)] if self.style == "gpt2" else [(h,)]
+        if not self.tied:
+            shapes.append((self.vocab, h))
+        return shapes
+
+
 def _gpt2(name, layers, hidden, heads):
     return ModelConfig(name, "gpt2", layers, hidden, heads, heads, 4 * hidden, 50257,
                        tied=True, positions=1024)

@@ -15,6 +15,7 @@ from typing import Iterable
 
 from shardlab.memory.activations import ATTENTION, CHECKPOINTING, activation_bytes
 from shardlab.memory.configs import MODELS, ModelConfig, as_config, get_model
+from shardlab.memory.dim0 import dim0_states_per_rank
 from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
                                     GiB, bytes_per_param, check_choice, check_positive,
                                     check_world, largest_model, model_states,
@@ -47,6 +48,20 @@ def bucket_bytes(bucket_numel, precision: str = "bf16-mixed", buckets: int = 1) 
     bucket_numel = check_positive("bucket_numel", bucket_numel)
     buckets = check_positive("buckets", buckets, integer=True)
     return bytes_per_param(precision).grads * bucket_numel * buckets
+
+
+def fsdp2_states_by_rank(model: str | ModelConfig, world: int,
+                         precision: str = "bf16-mixed", optimizer: str = "adamw",
+                         optimizer_padded: bool = False) -> list[Breakdown]:
+    """Each rank's model states under FSDP2's dim-0 split (`shardlab.memory.dim0`), which
+    differ between ranks when N does not divide some parameter's rows (Mixtral's 8
+    experts on 3 GPUs: 3, 3 and 2 experts a rank); `model_states(psi, world, 3)` is the
+    even split of a padded flat buffer (ZeRO-3). `optimizer_padded=False` is PyTorch's
+    `fully_shard` (Adam's states of the rows that exist), True the course's FSDP2."""
+    cfg = as_config(model)
+    check_world(world)
+    return dim0_states_per_rank(cfg.parameter_shapes(), world, precision, optimizer,
+                                optimizer_padded)
 
 
 @dataclass(frozen=True)
