@@ -83,9 +83,12 @@ def run_each(candidates: list, check_one: Callable, *args: Any) -> list[tuple[st
 def grade_on_ranks(worker: Callable, world: int, candidates: list, *args: Any,
                    timeout: float = 120.0) -> list[tuple[str, Any]]:
     """Launch `worker(candidates, *args)` on `world` ranks: rank 0's (verdict, extra) per
-    candidate."""
+    candidate. Always gloo on the CPU: a grader compares values, not speed, and the same
+    placement on every machine (a laptop, Colab's one GPU, a node of eight) keeps what it
+    compares the same."""
     try:
-        per_rank = launch(worker, world, candidates, *args, timeout=timeout)
+        per_rank = launch(worker, world, candidates, *args, timeout=timeout,
+                          backend="gloo", device="cpu")
     except LaunchTimeout as exc:
         return [(f"ranks {exc.unfinished} still running after {timeout:g} s: a rank that "
                  f"waits for a peer that never sends (or skipped a collective the others ran)?",
