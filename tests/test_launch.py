@@ -130,27 +130,19 @@ def test_a_closure_over_a_lock_is_refused_in_one_line_naming_it():
         launch(w.sum_of_ranks, 2, lock)
 
 
-def test_a_function_from_standard_input_runs_and_a_failing_one_names_its_rank(tmp_path):
-    """`python - <<EOF` used to start ranks that died re-reading a `<stdin>` file."""
+def test_a_function_from_standard_input_launches_on_4_ranks(tmp_path):
+    """`python - <<EOF` used to start ranks that died re-reading a `<stdin>` file. (A
+    failing function carried by value: tests/test_notebook_launch.py.)"""
     script = textwrap.dedent("""
         import torch.distributed as dist
-        from shardlab.launch import launch, RankFailed
+        from shardlab.launch import launch
         def work(x):
             return dist.get_rank() * x
         print("RESULT", launch(work, 4, 10))
-        def fails():
-            if dist.get_rank() == 1:
-                raise ValueError("rank one is broken")
-            dist.barrier()
-        try:
-            launch(fails, 2, timeout=60)
-        except RankFailed as e:
-            print("FAILED rank", e.rank, "|", str(e).splitlines()[-1])
     """)
     done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path,
                           capture_output=True, text=True, timeout=180)
     assert "RESULT [0, 10, 20, 30]" in done.stdout, done.stderr
-    assert "FAILED rank 1 | ValueError: rank one is broken" in done.stdout, done.stderr
 
 
 def test_a_function_from_a_script_main_runs(tmp_path):

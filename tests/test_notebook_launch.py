@@ -1,7 +1,8 @@
-"""A function written in a notebook cell launches on N ranks: a real kernel runs the cell.
+"""A function written in a notebook cell launches on N ranks: a real kernel runs the cells.
 
 The ranks cannot import a cell, so the function travels by value (shardlab.launch.carry).
-One kernel, one launch on 4 ranks: what a reader does in the labs' exercises."""
+One kernel: a launch on 4 ranks, as a reader's exercise does, and one that fails on rank 1,
+which must come back as that rank's traceback."""
 
 import os
 
@@ -24,10 +25,26 @@ def my_worker(offset):
 print(launch(my_worker, 4, 1))
 """
 
+FAILING = """
+from shardlab.launch import RankFailed
+
+def breaks_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+try:
+    launch(breaks_on_rank_1, 2, timeout=60)
+except RankFailed as failed:
+    print("rank", failed.rank, "|", failed.rank_traceback.strip().splitlines()[-1])
+"""
+
 
 @pytest.mark.timeout(240)
-def test_a_function_defined_in_a_notebook_cell_launches_on_4_ranks(tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
+def test_a_function_defined_in_a_notebook_cell_launches_on_4_ranks_or_names_its_failing_rank(
+        tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL),
+                                         nbformat.v4.new_code_cell(FAILING)])
     env_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU, like the labs under nbval
     try:
@@ -38,5 +55,6 @@ def test_a_function_defined_in_a_notebook_cell_launches_on_4_ranks(tmp_path):
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = env_gpus
-    printed = "".join(o.get("text", "") for o in nb.cells[0].outputs)
-    assert printed.strip() == "[(1, 6.0), (11, 6.0), (21, 6.0), (31, 6.0)]", nb.cells[0].outputs
+    printed = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+    assert printed[0].strip() == "[(1, 6.0), (11, 6.0), (21, 6.0), (31, 6.0)]", printed
+    assert printed[1].strip() == "rank 1 | ValueError: rank one is broken", printed
