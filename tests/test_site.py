@@ -127,13 +127,14 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
 
 def test_every_exercise_answer_in_the_labs_is_collapsed_with_its_output():
     """A reader predicts before seeing the answer: solution cells (and the worked
-    predictions) are collapsed whole, input and output (`hide-cell`)."""
+    predictions) are collapsed whole, input and output (`hide-cell`); in Jupyter and Colab
+    too: tests/test_hidden_answers.py."""
     answers = 0
     for path in sorted((ROOT / "labs").glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
             source = "".join(cell["source"]).lstrip()
             if cell["cell_type"] == "code" and source.startswith(
-                    ("# Solution", "# Your prediction", "%%writefile")):
+                    ("# @title Solution", "# Solution", "# Your prediction", "%%writefile")):
                 answers += 1
                 assert "hide-cell" in cell["metadata"].get("tags", []), (path.name, source[:60])
     assert answers >= 10

@@ -128,23 +128,25 @@ COLLECTIVES = {
 }
 
 
-def _ring_from(module: str, op: str):
-    """The reader's ring from their own module: op is "ring_reduce_scatter" etc."""
-    functions = importlib.import_module(module)
+def _ring_from(module: str | dict, op: str):
+    """The reader's ring: op is "ring_reduce_scatter" etc., from their own module (its name)
+    or from a dict of their functions (written in a notebook cell, carried by value)."""
+    functions = module if isinstance(module, dict) else vars(importlib.import_module(module))
     if op == "ring_all_gather":
-        gather = functions.ring_all_gather
+        gather = functions["ring_all_gather"]
         return lambda x: gather(x[: x.numel() // dist.get_world_size()])
-    return getattr(functions, op)
+    return functions[op]
 
 
 def time_collectives(ops: list[str], sizes: list[int], repeats: int = 5,
-                     module: str | None = None) -> list[comm.CollectiveRecord]:
+                     module: str | dict | None = None) -> list[comm.CollectiveRecord]:
     """Time each op on fp32 tensors of each size in bytes; one record per (op, size).
 
     `seconds` is the fastest of `repeats` runs, each started together on all ranks (a
     barrier first, so a rank that arrives late does not count as slow communication); the
     fastest is the run least disturbed by other processes sharing the cores.
-    `module` runs the ring functions of that module instead of the course's.
+    `module` runs the reader's ring functions instead of the course's: a module's name, or
+    a dict of the functions by name.
     rounds / round_bytes are the ring's, for the α-β fit.
     """
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -3,12 +3,16 @@
 A notebook cannot host a multi-process job by itself: the ranks must be separate
 processes, started clean (a fork of the kernel would copy its threads and sockets): forked
 from a fork server that imported torch once (`starter`), or spawned. Such processes can
-only run a function they can import. So the workers live in `shardlab`, and `launch`
-starts them:
+import a function of a module, which travels by name; one written in a notebook cell, an
+interactive session or a script read from standard input travels by value (`carry`):
 
     >>> from shardlab.launch import launch
     >>> from shardlab.demo import whoami
     >>> launch(whoami, world=4)          # one value per rank, in rank order
+    >>> def mine():                      # in a notebook cell
+    ...     return torch.distributed.get_rank() * 10
+    >>> launch(mine, world=4)
+    [0, 10, 20, 30]
 
 What `launch` promises, because a stuck or half-dead job is the worst thing a lab can do:
 
@@ -34,15 +38,12 @@ from __future__ import annotations
 
 import ast
 import datetime
-import functools
-import importlib
 import os
 import pickle
 import sys
 import tempfile
 import time
 import traceback
-import types
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.launch import carry
 from shardlab.launch.blame import the_cause
 from shardlab.launch.devices import (Placement, choose_placement, place_this_rank,
                                      visible_gpus)
@@ -64,36 +66,15 @@ DEFAULT_TIMEOUT = 300.0
 
 
 def check_importable(fn: Callable) -> None:
-    """Refuse a function that a spawned child could not import, before starting any.
-    A `functools.partial` is checked through the function it wraps, a bound method through
-    its function; a callable object must be picklable (its class importable), which
-    `launch` checks next."""
+    """Refuse a function that could not reach a rank, before starting any.
+
+    A function a rank can import travels by name; any other (a notebook cell's, an
+    interactive session's, a lambda, a nested function) by value, with what it captures.
+    What cannot travel, a closure over a lock or an open file, is refused here with one
+    line naming the object (`carry.pack`)."""
     if not callable(fn):
         raise LaunchError(f"launch needs a function, got a {type(fn).__name__}")
-    while isinstance(fn, (functools.partial, types.MethodType)):
-        # a bound method travels as its object and its name: its function is what the
-        # child imports (the object is checked by pickling, next)
-        fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
-    if not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
-        fn = type(fn)  # a callable object: its class is what the child imports
-    module_name = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", "")
-    how_to_fix = ("Put the function in a module (the course's workers are in `shardlab`; "
-                  "your own can go in a .py file beside the notebook) and import it.")
-    if "<lambda>" in qualname or "<locals>" in qualname:
-        raise LaunchError(f"{qualname!r} is a lambda or a nested function, which a child "
-                          f"process cannot import. {how_to_fix}")
-    if module_name == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        raise LaunchError(f"{qualname!r} was defined in a notebook cell or an interactive "
-                          f"session, which a child process cannot import. {how_to_fix}")
-    if module_name not in (None, "__main__"):
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError) as exc:
-            raise LaunchError(f"cannot import {module_name}.{qualname} ({exc}). "
-                              f"{how_to_fix}") from None
+    carry.check_carriable(fn)
 
 
 def check_main_guard() -> None:
@@ -196,7 +177,7 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
         sys.path[:] = surroundings["sys_path"]
         # loaded here, not by multiprocessing, so that a function that cannot be found is
         # reported like any other failure of the rank (with its traceback)
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = carry.unpack(payload)
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world + 1, False,
                               datetime.timedelta(seconds=timeout))
@@ -205,7 +186,7 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
         tmp = out_dir / f"rank{rank}.result.tmp"
-        tmp.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        tmp.write_bytes(carry.dumps_result(result))
         tmp.rename(out_dir / f"rank{rank}.result")
         # No rank leaves before every rank is done: a function that runs no collective
         # can return while a peer is still connecting to it, and the peer's connection
@@ -259,11 +240,7 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     where = choose_placement(backend, device, world, visible_gpus(), dist.is_nccl_available())
     check_main_guard()
-    try:
-        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001
-        raise LaunchError(f"the function or its arguments cannot be sent to a child "
-                          f"process: {exc}") from None
+    payload = carry.pack(fn, args, kwargs)
     # Where the function is looked up: this process's, at this launch (a fork server
     # started earlier keeps the directory and path it started with).
     surroundings = {"cwd": os.getcwd(), "sys_path": list(sys.path),
@@ -280,13 +257,15 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:
             reaper = start_reaper(tmp)
-            for rank in range(world):
-                p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
-                                args=(rank, world, store.port, payload, surroundings, tmp,
-                                      threads, timeout, os.getpid(), where), daemon=True)
-                p.start()
-                tell_reaper(reaper, str(p.pid))
-                ranks.append(RankProcess(rank, p))
+            with carry.main_not_reimported():
+                for rank in range(world):
+                    p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
+                                    args=(rank, world, store.port, payload, surroundings,
+                                          tmp, threads, timeout, os.getpid(), where),
+                                    daemon=True)
+                    p.start()
+                    tell_reaper(reaper, str(p.pid))
+                    ranks.append(RankProcess(rank, p))
             _wait_all(ranks, run_dir, timeout)
         finally:
             stop_ranks(ranks)

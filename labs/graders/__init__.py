@@ -1,0 +1,20 @@
+"""Graders of the labs' exercises: your code, run on N ranks, checked against the course's
+implementation and PyTorch's.
+
+In a lab, a grader cell calls one of these after the cell where you wrote your version:
+
+    from graders import ring
+    ring.grade(ring_reduce_scatter, ring_all_gather)   # prints one line: passes, or what is wrong
+
+Each grader is also a pytest module, as CS336 runs its adapters (`pytest labs/graders -k
+ring`): it grades the lab's worked solution, which must pass, and a deliberately wrong
+answer, which must fail.
+
+    common.py           launching a grader, one-line verdicts, finding the first wrong byte
+    ring.py             lab 2: ring reduce-scatter and all-gather
+    ddp.py              lab 4: DDP with bucketed, overlapped all-reduce
+    zero1.py            lab 5: a ZeRO-1 optimizer
+    fsdp_unit.py        lab 6: one FSDP unit's unshard, reshard, reduce-scatter
+    checkpoint.py       lab 7: a sharded checkpoint's save and load
+    solutions.py        the labs' worked solutions, read from the notebooks (for pytest)
+"""

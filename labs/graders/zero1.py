@@ -1,0 +1,105 @@
+"""Lab 5's grader: your ZeRO-1 optimizer against PyTorch's `ZeroRedundancyOptimizer` and
+the course's `Zero1Optimizer`.
+
+Your optimizer is built as `MyZero1(params, optimizer_class, **defaults)`, like PyTorch's,
+and used in the ordinary loop: `loss.backward(); opt.step(); opt.zero_grad()` with no DDP
+wrapper, so `step()` itself must average the gradients across the ranks. Checked at each
+of 3 AdamW steps, on ranks that train on different rows:
+
+* every parameter, after the step, equals PyTorch's (gradients averaged, AdamW);
+* the step reduce-scatters instead of all-reducing (no `dist.all_reduce`), and the
+  optimizer state a rank holds is its shard: about 1/N of AdamW's 8 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from shardlab.zero import Zero1Optimizer
+from graders.common import agree, call, first_difference, grade_on_ranks, run_each, show
+from graders.ddp import _CountAllReduce
+from graders.models import batch, loss_of, tiny_mlp
+
+STEPS = 3
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of optimizer state (Adam's moments) held by `optimizer` or by any
+    torch.optim.Optimizer among its attributes (a wrapper's inner optimizer)."""
+    found, seen = 0, set()
+
+    def visit(obj, depth):
+        nonlocal found
+        if id(obj) in seen or depth > 3:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer):
+            found += sum(t.numel() * t.element_size() for s in obj.state.values()
+                         for k, t in s.items() if torch.is_tensor(t) and k != "step")
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+            for value in vars(obj).values():
+                visit(value, depth + 1)
+    visit(optimizer, 0)
+    return found
+
+
+def check_one(my_zero1_class, steps: int = STEPS) -> None:
+    world = dist.get_world_size()
+    model = tiny_mlp()
+    torch_model, course_model = copy.deepcopy(model), copy.deepcopy(model)
+    psi = sum(p.numel() for p in model.parameters())
+    mine = call("MyZero1(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1)",
+                lambda: my_zero1_class(list(model.parameters()), torch.optim.AdamW, **ADAMW))
+    theirs = ZeroRedundancyOptimizer(torch_model.parameters(), torch.optim.AdamW, **ADAMW)
+    ours = Zero1Optimizer(course_model.parameters(), torch.optim.AdamW, **ADAMW)
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(steps):
+        x, y = batch(step, 8, 4)
+        loss_of(model, x, y).backward()
+        with _CountAllReduce() as counter:
+            call(f"step {step}: step()", mine.step)
+        call(f"step {step}: zero_grad()", mine.zero_grad)
+        loss_of(torch_model, x, y).backward()
+        for p in torch_model.parameters():   # PyTorch's shards the state only: average first
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        theirs.step()
+        theirs.zero_grad()
+        loss_of(course_model, x, y).backward()
+        ours.step()
+        ours.zero_grad()
+        for name, p, q, r in zip(names, model.parameters(), torch_model.parameters(),
+                                 course_model.parameters()):
+            assert torch.allclose(q, r, atol=1e-5), "the course's ZeRO-1 differs"
+            problem = first_difference(p.detach(), q.detach(),
+                                       "PyTorch's ZeroRedundancyOptimizer", atol=1e-6,
+                                       rtol=1e-4)
+            agree(problem and f"step {step}, parameter {name} after step(): {problem}")
+        agree(None if counter.calls == 0 else
+              f"step {step}: step() made {counter.calls} all-reduce calls; ZeRO-1 "
+              f"reduce-scatters the gradients (each rank needs only its shard's average)")
+        held, full = state_bytes(mine), 8 * psi
+        bound = 8 * math.ceil(psi / world) + 8 * 64   # a shard, and a little padding
+        agree(None if held <= bound or world == 1 else
+              f"step {step}: holds {held:,} B of optimizer state; AdamW's full state is "
+              f"{full:,} B and a 1/{world} shard about {full // world:,} B")
+
+
+def check(candidates: list) -> list:
+    return run_each(candidates, check_one)
+
+
+def grade(my_zero1_class, world: int = 2) -> SimpleNamespace:
+    """Grade your ZeRO-1 optimizer class on `world` ranks and print one line."""
+    [(verdict, _)] = grade_on_ranks(check, world, [my_zero1_class])
+    return SimpleNamespace(passed=show("ZeRO-1 optimizer", verdict), verdict=verdict)
