@@ -181,7 +181,8 @@ def test_under_torchrun_the_same_worker_sees_the_environment(tmp_path):
 def test_ctrl_c_stops_every_rank(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(f"""
-        import os, sys
+        import faulthandler, os, signal, sys
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, if it does
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         import launch_workers
@@ -193,13 +194,21 @@ def test_ctrl_c_stops_every_rank(tmp_path):
                 alive = launch_workers.launch_descendants(os.getpid())
                 print("interrupted; children alive:", alive)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not all((tmp_path / f"up{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the launching script did not end after Ctrl-C; its threads:\n{err}")
     assert "interrupted; children alive: []" in out
 
 
