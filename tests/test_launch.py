@@ -183,6 +183,10 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import faulthandler, os, signal, sys
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, if it does
+        # Ctrl-C as a terminal delivers it, even when this test runs in a background job
+        # (which starts its processes with SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         import launch_workers

@@ -38,18 +38,19 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm import all_gather_into
+from shardlab.launch import rank_device
 
 Step = Callable[[], None]  # called at the end of each training step (the recorder's step)
 
 
 def rank0_decides(group, fixed: bool, next_step: Step) -> None:
     """Early stopping on a loss that only rank 0 holds."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shard = torch.ones(64)
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
+    shard = torch.ones(64, device=dev)
     for step in range(4):
-        full = torch.empty(world * shard.numel())
+        full = torch.empty(world * shard.numel(), device=dev)
         all_gather_into(full, shard, group=group)         # the forward's all-gather
-        loss = torch.tensor([3.0 - step + 2.0 * (rank > 0)])  # this rank's loss
+        loss = torch.tensor([3.0 - step + 2.0 * (rank > 0)], device=dev)  # this rank's
         total = loss.clone()
         if fixed:
             dist.all_reduce(total, group=group)           # the fix: every rank has the sum
@@ -64,40 +65,40 @@ def rank0_decides(group, fixed: bool, next_step: Step) -> None:
 
 def uneven_eval(group, fixed: bool, next_step: Step) -> None:
     """Evaluation over a rank's own shard of 7 samples: 4 batches on rank 0, 3 elsewhere."""
-    rank = dist.get_rank(group)
+    rank, dev = dist.get_rank(group), rank_device()
     batches = 4 if rank == 0 else 3
     for i in itertools.count():
-        has_data = torch.tensor([int(i < batches)])
+        has_data = torch.tensor([int(i < batches)], device=dev)
         if fixed:
             dist.all_reduce(has_data, op=dist.ReduceOp.MIN, group=group)  # the fix
         if not has_data.item():
             break
-        metrics = torch.tensor([1.0, 0.5])  # (loss sum, samples) of this batch
+        metrics = torch.tensor([1.0, 0.5], device=dev)  # (loss sum, samples) of a batch
         dist.all_reduce(metrics, group=group)
     next_step()
 
 
 def skipped_sample(group, fixed: bool, next_step: Step) -> None:
     """Three steps; at step 1 the last rank's sample fails a filter."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
     for step in range(3):
         bad = rank == world - 1 and step == 1  # e.g. a sequence longer than the limit
         if bad and not fixed:
             next_step()
             continue                           # skips this step's backward
         weight = 0.0 if bad else 1.0           # the fix: keep it, weighted 0
-        grads = torch.full((32,), weight)      # the backward's gradients
+        grads = torch.full((32,), weight, device=dev)      # the backward's gradients
         dist.all_reduce(grads, group=group)
         next_step()
 
 
 def size_mismatch(group, fixed: bool, next_step: Step) -> None:
     """A buffer sized from the rank's own batch: 5 tokens on the last rank, 4 elsewhere."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    length = torch.tensor([5 if rank == world - 1 else 4])
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
+    length = torch.tensor([5 if rank == world - 1 else 4], device=dev)
     if fixed:
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)  # the fix: agree first
-    counts = torch.zeros(int(length.item()))
+    counts = torch.zeros(int(length.item()), device=dev)
     dist.all_reduce(counts, group=group)
     next_step()
 
@@ -106,8 +107,9 @@ def opposite_order(group, fixed: bool, next_step: Step) -> None:
     """A gradient all-reduce and a parameter all-gather, both launched asynchronously, in
     the order a set of names gives (a set of strings iterates in another order in another
     process: Python salts string hashes per process)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    grads, shard, full = torch.ones(48), torch.ones(16), torch.empty(16 * world)
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
+    grads, shard = torch.ones(48, device=dev), torch.ones(16, device=dev)
+    full = torch.empty(16 * world, device=dev)
     launch = {"grads": lambda: dist.all_reduce(grads, group=group, async_op=True),
               "params": lambda: all_gather_into(full, shard, group=group, async_op=True)}
     names = ["grads", "params"] if rank == 0 else ["params", "grads"]
@@ -123,12 +125,12 @@ def rank0_generate(group, fixed: bool, next_step: Step, model: torch.nn.Module,
                    train_step: Callable[[], None]) -> None:
     """Two training steps of a ZeRO-3 / FSDP2 `model`; after the first, rank 0 samples a
     few tokens to look at the model's progress."""
-    rank = dist.get_rank(group)
+    rank, dev = dist.get_rank(group), rank_device()
     for step in range(2):
         train_step()
         next_step()
         if step == 0 and (fixed or rank == 0):  # the fix: every rank enters it
-            tokens = sample(model, torch.tensor([[72, 101]]), new_tokens=2)
+            tokens = sample(model, torch.tensor([[72, 101]], device=dev), new_tokens=2)
             if rank == 0:
                 print("sample:", tokens.tolist())
 
