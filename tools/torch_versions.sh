@@ -27,16 +27,26 @@ versions=("$@")
 versions=("${versions[@]/#floor/$FLOOR}")
 versions=("${versions[@]/#newest/$NEWEST}")
 
+# The package's own runtime dependencies and its models' (read from pyproject.toml, so that
+# a dependency added there is installed here too), torch aside; no book tools, no DeepSpeed.
+mapfile -t DEPENDENCIES < <(python3 - <<'PY'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for requirement in project["dependencies"] + project["optional-dependencies"]["models"]:
+    if not requirement.startswith("torch"):
+        print(requirement)
+PY
+)
+
 for version in "${versions[@]}"; do
     venv=".venv-torch-$version"
-    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, transformers, pytest" 2>/dev/null; then
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
         rm -rf "$venv"
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q "torch==$version"
-        # the runtime dependencies and the test tools; no book tools, no DeepSpeed
-        "$venv/bin/pip" install -q numpy matplotlib tqdm pytest pytest-timeout nbformat \
-            "transformers>=4.45"
     fi
+    # (quick when they are there already) the dependencies and the test tools
+    "$venv/bin/pip" install -q "${DEPENDENCIES[@]}" pytest pytest-timeout nbformat
     $install_only && continue
     echo "== parity tests under torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
     # this checkout's code, not an installed copy
