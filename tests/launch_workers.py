@@ -19,6 +19,12 @@ def rank_times_ten() -> int:
     return dist.get_rank() * 10 + int(t.item()) * 0
 
 
+
+def starter_and_variable(name: str) -> tuple[int, str | None]:
+    """The process that started this rank (a fork server, or the launching process when
+    spawned), and what this rank sees of variable `name`."""
+    return os.getppid(), os.environ.get(name)
+
 def rank_and_sum_of_ranks() -> tuple[int, float]:
     return dist.get_rank() * 10, sum_of_ranks()
 

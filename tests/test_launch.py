@@ -45,6 +45,27 @@ def test_results_come_back_in_rank_order(world):
         (10 * r, float(sum(range(world)))) for r in range(world)]
 
 
+
+def test_a_changed_environment_restarts_the_fork_server_once():
+    """A variable that changes between launches (and stays changed, as one a library sets
+    for good) gets a fork server of its own: the ranks see it, and are still forked, never
+    spawned by this process (a spawned rank imports torch again: seconds per rank)."""
+    name = f"SHARDLAB_TEST_{uuid.uuid4().hex[:8].upper()}"
+    before = launch(w.starter_and_variable, 2, name)
+    os.environ[name] = "changed"
+    try:
+        changed = launch(w.starter_and_variable, 2, name)
+        again = launch(w.starter_and_variable, 2, name)
+    finally:
+        del os.environ[name]
+    for results in (before, changed, again):
+        assert all(starter != os.getpid() for starter, _ in results), "spawned, not forked"
+        assert len({starter for starter, _ in results}) == 1, "one server per launch"
+    assert [seen for _, seen in before] == [None, None]
+    assert [seen for _, seen in changed + again] == ["changed"] * 4
+    assert before[0][0] != changed[0][0], "the server from before the change was kept"
+    assert changed[0][0] == again[0][0], "an unchanged environment restarted the server"
+
 def test_backend_auto_is_gloo_without_gpus():
     import torch
     if torch.cuda.is_available():

@@ -246,13 +246,13 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     surroundings = {"cwd": os.getcwd(), "sys_path": list(sys.path),
                     "environ": dict(os.environ)}
     reclaim_run_dirs()
-    ctx = rank_context()
     # The parent owns the rendezvous; port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
                           datetime.timedelta(seconds=timeout), wait_for_workers=False)
     ranks: list[RankProcess] = []
     reaper = None
-    with terminate_as_exit(), tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
+    with rank_context() as ctx, terminate_as_exit(), \
+            tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp:
         run_dir = Path(tmp)
         (run_dir / OWNER).write_text(str(os.getpid()))
         try:

@@ -11,18 +11,25 @@ launching process, that imports torch and the package (and nothing else: it runs
 operation, so it has no thread pool to copy) and then forks a rank on demand in
 milliseconds. It ends by itself when the launching process ends.
 
-Its environment is the launching process's at the moment it started. A launch made after
-the environment changed (a variable set for one run: `TORCH_DISTRIBUTED_DEBUG`,
-`CUDA_VISIBLE_DEVICES`, ...) is spawned instead, so every rank always sees the environment
-of the launch that started it. The working directory and `sys.path` are the launch's too:
-`launch` hands them to each rank, which applies them before it loads its function.
+Its environment is the launching process's at the moment it started, and some variables
+are read when torch is imported. So a launch made after the environment changed (a
+variable set for one run: `TORCH_DISTRIBUTED_DEBUG`, `CUDA_VISIBLE_DEVICES`, ...) first
+replaces the server with one started from the new environment: every rank sees the
+environment of the launch that started it, and a variable that stays changed costs one
+restart, not a spawned launch ever after. While another launch's ranks still run on the
+old server (two launches from two threads), the new launch is spawned instead. The working
+directory and `sys.path` are the launch's too: `launch` hands them to each rank, which
+applies them before it loads its function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 from multiprocessing.context import BaseContext
+from typing import Iterator
 
 # What the fork server imports once: the launching script (as a spawned child would, so
 # that a function defined in it can be found), torch, and the package's training loop.
@@ -31,23 +38,50 @@ PRELOAD = ["__main__", "torch", "torch.distributed", "shardlab.train"]
 VOLATILE = {"PYTEST_CURRENT_TEST"}
 
 _server_environment: dict[str, str] | None = None
+_live_launches = 0  # launches whose ranks were forked by the running server
+_lock = threading.Lock()
 
 
 def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in VOLATILE}
 
 
-def rank_context() -> BaseContext:
-    """The multiprocessing context that starts this launch's ranks."""
-    global _server_environment
+def _stop_server() -> bool:
+    """Stop this process's fork server, so that the next rank starts a new one; False
+    where this Python offers no way to. (`_stop` is the method multiprocessing's own tests
+    use; it waits for the server to exit.)"""
+    from multiprocessing import forkserver
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is None:
+        return False
+    stop()
+    return True
+
+
+@contextlib.contextmanager
+def rank_context() -> Iterator[BaseContext]:
+    """The multiprocessing context that starts this launch's ranks, held while they run."""
+    global _server_environment, _live_launches
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")  # Windows
+        yield multiprocessing.get_context("spawn")  # Windows
+        return
     now = _environment()
-    if _server_environment is None:
-        # the fork server starts with the first rank of this launch, from this environment
-        _server_environment = now
-    elif now != _server_environment:
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
+    with _lock:
+        if _server_environment is not None and now != _server_environment \
+                and not _live_launches and _stop_server():
+            _server_environment = None
+        forked = _server_environment is None or now == _server_environment
+        if forked:
+            # the fork server starts with the first rank of this launch, from this environment
+            _server_environment = now
+            _live_launches += 1
+    if not forked:
+        yield multiprocessing.get_context("spawn")
+        return
+    try:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        yield context
+    finally:
+        with _lock:
+            _live_launches -= 1
