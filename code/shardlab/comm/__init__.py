@@ -9,18 +9,22 @@ One idea, *what a collective costs*, in a file per part, so that each reads alon
     records.py   what a record holds, `ring_traffic` (the bytes it counts), and the sums
     volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring
     compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
+    links.py     which link a collective crosses (its group's label), and a slower link
+                 simulated on one machine (`throttle_link`: a sleep, labelled so)
     flight.py    a flight recorder: the ledger's last K collectives in a file per rank
     hang_diagnosis.py  the ranks' flight files compared: who is behind, what mismatched
 
 Import from `shardlab.comm` (as every chapter and lab does); the parts import each other
-one way only: compat and records import nothing of the course, the ledger builds on the
-records, the ring and the flight recorder on the ledger, the diagnosis on the recorder.
+one way only: compat and records import nothing of the course, links builds on the records,
+the ledger on both, the ring and the flight recorder on the ledger, the diagnosis on the recorder.
 """
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.comm.flight import FlightDump, FlightEntry, FlightRecorder, read_flight
 from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose, flight_folder
-from shardlab.comm.ledger import Ledger, clock_offset
+from shardlab.comm.ledger import Ledger, clock_offset, throttle_link
+from shardlab.comm.links import (UNLABELLED, Throttle, label_link, link_of, per_link,
+                                 unthrottle_link)
 from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_step,
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
@@ -34,5 +38,6 @@ __all__ = [
     "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
     "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
-    "HangDiagnosis", "diagnose", "flight_folder",
+    "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
+    "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED",
 ]
