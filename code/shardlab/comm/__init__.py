@@ -30,7 +30,7 @@ from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_s
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
                                 ring_broadcast, ring_reduce_scatter)
 from shardlab.comm.volumes import (STRATEGY_COLLECTIVES, VOLUME_FACTORS, fit_alpha_beta,
-                                   predict_seconds, volume_per_rank)
+                                   hsdp_volume_per_link, predict_seconds, volume_per_rank)
 
 __all__ = [
     "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
@@ -39,5 +39,5 @@ __all__ = [
     "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
     "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
-    "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED",
+    "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "hsdp_volume_per_link",
 ]

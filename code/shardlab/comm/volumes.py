@@ -50,6 +50,24 @@ def volume_per_rank(strategy: str, psi: int, world: int, bytes_per_elem: int = 1
     return VOLUME_FACTORS[strategy] * psi * bytes_per_elem * (world - 1) / world
 
 
+def hsdp_volume_per_link(psi: int, world: int, shard_group: int,
+                         bytes_per_elem: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per training step under HSDP, by link, on rings.
+
+    Inside its shard group of S ranks ("intra-node"), FSDP's schedule over S: all-gathers
+    in forward and backward and a reduce-scatter, 3Ψ(S-1)/S. Across the R = N/S replicas
+    ("inter-node"), one all-reduce of its reduced Ψ/S gradient shard, 2(R-1)/R·Ψ/S.
+    S = N is FSDP (nothing crosses), S = 1 is DDP (an all-reduce of Ψ across).
+    """
+    if world < 1 or shard_group < 1 or world % shard_group:
+        raise ValueError(f"shard_group must divide world, got shard_group={shard_group}, "
+                         f"world={world}")
+    replicas = world // shard_group
+    size = psi * bytes_per_elem
+    return {"intra-node": 3 * size * (shard_group - 1) / shard_group,
+            "inter-node": 2 * size / shard_group * (replicas - 1) / replicas}
+
+
 def predict_seconds(op: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
     """α-β time of a ring collective over a tensor of `nbytes`:
 
