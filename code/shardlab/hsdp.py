@@ -25,14 +25,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.comm import label_link
+from shardlab.comm import INTER, INTRA, label_link
 from shardlab.fsdp import FSDP2_OPTIONS, fully_shard_on, torch_fully_shard_on
 from shardlab.launch import rank_device
 from shardlab.precision import Precision
 from shardlab.strategy import OptimizerSpec, Wrapped, check_options
 
 HSDP_OPTIONS = {**FSDP2_OPTIONS, "shard_group": None}
-INTRA, INTER = "intra-node", "inter-node"
 
 
 def check_shard_group(strategy: str, options: dict, world: int) -> dict:

@@ -291,12 +291,12 @@ def _watch_native_collectives() -> None:
     _watch_library = library  # kept alive: the kernels last as long as the library object
 
 
-def throttle_link(group, alpha: float = 0.0, seconds_per_byte: float = 0.0) -> Throttle:
-    """SIMULATION: make every native collective of `group` last its ring's rounds x
-    (`alpha` + bytes per round x `seconds_per_byte`) longer, on every rank of it, as if it
-    crossed a slower link (`shardlab.comm.links` says how and what it leaves out). Its
-    records then carry that time too. `shardlab.comm.links.unthrottle_link` undoes it."""
-    throttle = links.set_throttle(group, alpha, seconds_per_byte)
+def throttle_link(link: str, alpha: float = 0.0, seconds_per_byte: float = 0.0) -> Throttle:
+    """SIMULATION: make every native collective of the groups labelled `link` last its
+    ring's rounds x (`alpha` + bytes per round x `seconds_per_byte`) longer, on every rank
+    of them, as if they crossed a slower link (`shardlab.comm.links` says how and what it
+    leaves out). Their records then carry that time too. `unthrottle_link` undoes it."""
+    throttle = links.set_throttle(link, alpha, seconds_per_byte)
     _watch_native_collectives()  # the sleep happens in the kernels that watch collectives
     return throttle
 

@@ -8,10 +8,11 @@ machine must have a slower link to cross.
 
     label_link(group, "intra-node")    name the link a process group's collectives use
     per_link(records)                  the ledger's totals by link
-    throttle_link(group, alpha, seconds_per_byte)     (in `shardlab.comm.ledger`)
-                                       SIMULATION: make every native collective of this
-                                       group take rounds x (alpha + round bytes x
-                                       seconds_per_byte) longer than it really does
+    throttle_link(link, alpha, seconds_per_byte)     (in `shardlab.comm.ledger`)
+                                       SIMULATION: make every native collective of the
+                                       groups labelled `link` take rounds x (alpha +
+                                       round bytes x seconds_per_byte) longer than it
+                                       really does
 
 The throttle is a simulation, and says so wherever its numbers appear: on one machine all
 ranks talk through shared memory, so "inter-node" is a label plus a sleep. After the real
@@ -38,9 +39,10 @@ import torch.distributed as dist
 from shardlab.comm.records import CollectiveRecord, ring_traffic, totals
 
 UNLABELLED = "unlabelled"
+INTRA, INTER = "intra-node", "inter-node"   # the two links past one node
 
 _LINKS: dict[str, str] = {}                 # group name -> link label
-_THROTTLES: dict[str, "Throttle"] = {}      # group name -> simulated slow link
+_THROTTLES: dict[str, "Throttle"] = {}      # link label -> its simulated slowness
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ def group_name(group) -> str:
 
 
 def label_link(group, link: str) -> None:
-    """Record the collectives of `group` (None: the default group) as crossing `link`."""
+    """Record the collectives of `group` (None: the default group) as crossing `link`
+    (UNLABELLED to forget a label: a group of all ranks that crosses nodes in one run may
+    be used as the loop's own group in the next)."""
     if not isinstance(link, str) or not link:
         raise ValueError(f"a link's label must be a non-empty string, got {link!r}")
     _LINKS[group_name(group)] = link
@@ -77,24 +81,30 @@ def link_of(name: str) -> str:
     return _LINKS.get(name, UNLABELLED)
 
 
-def set_throttle(group, alpha: float = 0.0, seconds_per_byte: float = 0.0) -> Throttle:
-    """Register the simulated slow link of `group`; `shardlab.comm.throttle_link` (in the
-    ledger, whose kernels do the sleeping) is the call to use."""
+def set_throttle(link: str, alpha: float = 0.0, seconds_per_byte: float = 0.0) -> Throttle:
+    """Register the simulated slowness of `link` (every group labelled so);
+    `shardlab.comm.throttle_link` (in the ledger, whose kernels do the sleeping) is the
+    call to use."""
+    if not isinstance(link, str) or not link:
+        raise ValueError(f"name the link to throttle by its label (e.g. 'inter-node'), "
+                         f"got {link!r}")
     for name, value in (("alpha", alpha), ("seconds_per_byte", seconds_per_byte)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     throttle = Throttle(float(alpha), float(seconds_per_byte))
-    _THROTTLES[group_name(group)] = throttle
+    _THROTTLES[link] = throttle
     return throttle
 
 
-def unthrottle_link(group) -> None:
-    _THROTTLES.pop(group_name(group), None)
+def unthrottle_link(link: str) -> None:
+    """The link's collectives run at the machine's own speed again."""
+    _THROTTLES.pop(link, None)
 
 
 def throttle_of(name: str) -> Throttle | None:
-    return _THROTTLES.get(name)
+    """The throttle of the link that the group named `name` is labelled with, if any."""
+    return _THROTTLES.get(link_of(name))
 
 
 def any_throttled() -> bool:
