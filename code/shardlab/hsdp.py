@@ -55,7 +55,7 @@ def _a_divisor(world: int) -> int:
     return next((d for d in range(2, world) if world % d == 0), world)
 
 
-def check_before_launch(strategy: str, options: dict, world: int) -> None:
+def check_options_before_launch(strategy: str, options: dict, world: int) -> None:
     """Called by `shardlab.config.TrainConfig.validate`, before any process starts."""
     check_shard_group(strategy, options, world)
 

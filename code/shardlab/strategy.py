@@ -372,10 +372,11 @@ def checkpoint_refusal(name: str) -> str | None:
 def check_before_launch(name: str, options: dict, world: int) -> None:
     """Refuse, in the launching process, options a strategy can judge without its ranks
     (HSDP's shard group against the world size): a strategy module that can says so in
-    `check_before_launch(name, options, world)`."""
+    a function `check_options_before_launch(name, options, world)`."""
     get_strategy(name)
     module_name = STRATEGIES[name].split(":")[0]
-    check = getattr(importlib.import_module(module_name), "check_before_launch", None)
+    check = getattr(importlib.import_module(module_name), "check_options_before_launch",
+                    None)
     if check is not None:
         check(name, options, world)
 
