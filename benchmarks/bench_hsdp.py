@@ -30,29 +30,13 @@ import sys
 
 from shardlab import comm, demo
 from shardlab.launch import launch
-from shardlab.report import median_step_time
+from shardlab.report import collective_seconds, median_step_time, unit_sizes
 from shardlab.train import TrainConfig
 
 
 def step_time(reports) -> float:
     """A step is as slow as its slowest rank."""
     return max(median_step_time(r) for r in reports)
-
-
-def unit_bytes(report) -> list[int]:
-    """Each unit's full bytes, from the ledger: one gradient reduce-scatter per unit and
-    step (the shard group's, for HSDP)."""
-    last = max(r.step for r in report.ledger)
-    return [r.logical_bytes for r in report.ledger
-            if r.step == last and r.op == "reduce_scatter"]
-
-
-def comm_seconds(report) -> float:
-    """The collectives' seconds per step, median over the steps between first and last."""
-    steps = sorted({r.step for r in report.ledger})[1:-1] or sorted({r.step for r in
-                                                                     report.ledger})
-    return statistics.median(sum(r.seconds for r in report.ledger if r.step == s)
-                             for s in steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     for factor in args.factors:
         slow = fast.slowed(factor)
         fsdp_runs, hsdp_runs = by_key[(factor, "fsdp2")], by_key[(factor, "hsdp")]
-        pred_fsdp = comm.fsdp_step_seconds(unit_bytes(fsdp_runs[0][0]), args.world, slow)
-        pred_hsdp = sum(comm.hsdp_step_seconds(unit_bytes(hsdp_runs[0][0]), args.world,
+        pred_fsdp = comm.fsdp_step_seconds(unit_sizes(fsdp_runs[0][0]), args.world, slow)
+        pred_hsdp = sum(comm.hsdp_step_seconds(unit_sizes(hsdp_runs[0][0]), args.world,
                                                args.shard_group, fast, slow).values())
-        meas_fsdp = statistics.median(comm_seconds(run[0]) for run in fsdp_runs)
-        meas_hsdp = statistics.median(comm_seconds(run[0]) for run in hsdp_runs)
+        meas_fsdp = statistics.median(collective_seconds(run[0]) for run in fsdp_runs)
+        meas_hsdp = statistics.median(collective_seconds(run[0]) for run in hsdp_runs)
         step_fsdp = statistics.median(step_time(run) for run in fsdp_runs)
         step_hsdp = statistics.median(step_time(run) for run in hsdp_runs)
         row = {"factor": factor, "predicted_comm_ms": [1e3 * pred_fsdp, 1e3 * pred_hsdp],

@@ -22,8 +22,9 @@ from dataclasses import replace
 import pytest
 
 import sharded_workers as w
+from shardlab import comm, network
 from shardlab.comm import hsdp_volume_per_link, volume_per_rank
-from shardlab.demo import run_all
+from shardlab.demo import run_all, train_across_nodes
 from shardlab.launch import launch
 from shardlab.memory import model_states
 from shardlab.train import TrainConfig, run, train_many
@@ -43,6 +44,8 @@ def loop(strategy: str, shard_group: int | None = None, **kw) -> TrainConfig:
 
 LOOP_RUNS = {(s, n_s[1]): loop(s, n_s[1]) for n_s in SHAPES for s in ("hsdp", "torch-hsdp")}
 LOOP_RUNS[("fsdp2", 4)] = loop("fsdp2")
+# the simulated slow link: this α and β made 4 x slower for the inter-node groups
+FAST, SLOWER = comm.Link(alpha=1e-4, beta=1e9), 4
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,10 @@ def results(tmp_path_factory):
     full = TrainConfig(strategy="hsdp", world=4, steps=2 * K, options={"shard_group": 2},
                        keep_params=True, record_ledger=False, measure_memory=False)
     saving = replace(full, steps=K, save_every=K, checkpoint_dir=folder)
+    throttled = [(LOOP_RUNS[("hsdp", 2)], SLOWER)]
     ranks = launch(run_all, 4, [(w.parity_cases, (parity, STEPS)),
-                                (train_many, ([*LOOP_RUNS.values(), full, saving],))],
+                                (train_many, ([*LOOP_RUNS.values(), full, saving],)),
+                                (train_across_nodes, (throttled, 2, FAST))],
                    backend="gloo", timeout=LAUNCH_TIMEOUT)
     resumed_as = [replace(full, world=2, strategy=s, options=o, resume=True,
                           checkpoint_dir=folder)
@@ -65,7 +70,8 @@ def results(tmp_path_factory):
     resumed = launch(train_many, 2, resumed_as, backend="gloo", timeout=LAUNCH_TIMEOUT)
     loops = [dict(zip(LOOP_RUNS, r[1][:len(LOOP_RUNS)])) for r in ranks]
     return {"parity": [r[0] for r in ranks], "loops": loops,
-            "full": ranks[0][1][-2], "resumed": dict(zip(("fsdp2", "hsdp"), resumed[0]))}
+            "full": ranks[0][1][-2], "resumed": dict(zip(("fsdp2", "hsdp"), resumed[0])),
+            "throttled": [r[2][1][0] for r in ranks]}
 
 
 def test_hsdp_and_torch_hsdp_are_registered():
@@ -151,6 +157,60 @@ def test_an_hsdp_checkpoint_resumes_under_fsdp2_on_two_ranks(results):
         assert set(moved.params) == set(full.params)
         for name, p in full.params.items():
             assert (moved.params[name] - p).abs().max().item() <= PARAM_TOL, (strategy, name)
+
+
+def test_the_simulated_slow_link_changes_time_and_nothing_else(results):
+    """A throttled inter-node link: the same losses bit for bit and the same records by
+    link; each inter-node collective lasts at least the sleep the throttle adds (a lower
+    bound, which a sleep guarantees, not a timing), the intra-node ones are not slowed
+    by it."""
+    extra = comm.Throttle(FAST.alpha * (SLOWER - 1), (SLOWER - 1) / FAST.beta)
+    for plain, slowed in zip((r[("hsdp", 2)] for r in results["loops"]),
+                             results["throttled"]):
+        assert slowed.losses == plain.losses
+        assert [(r.link, r.op, r.sent_bytes) for r in slowed.ledger] == \
+            [(r.link, r.op, r.sent_bytes) for r in plain.ledger]
+        inter = [r for r in slowed.ledger if r.link == comm.INTER]
+        assert inter
+        for r in inter:
+            assert r.seconds >= extra.seconds(r.op, r.numel, r.world, 4) > 0
+
+
+def test_throttle_and_link_arithmetic():
+    t = comm.Throttle(alpha=1e-3, seconds_per_byte=1e-9)
+    # all-reduce of 1000 fp32 on 4 ranks: 6 rounds of 250 elements (1000 bytes)
+    assert t.seconds("all_reduce", 1000, 4, 4) == pytest.approx(6 * (1e-3 + 1000e-9))
+    with pytest.raises(ValueError, match="alpha must be a finite number"):
+        comm.throttle_link(comm.INTER, alpha=-1.0)
+    with pytest.raises(ValueError, match="seconds_per_byte must be a finite number"):
+        comm.throttle_link(comm.INTER, seconds_per_byte=float("nan"))
+    with pytest.raises(ValueError, match="name the link to throttle"):
+        comm.throttle_link("", 1e-3)
+    link = comm.Link(1e-5, 1e9)
+    units = [4096, 8192]
+    # S = N is FSDP inside a node; S = 1 is DDP's all-reduce across
+    assert comm.hsdp_step_seconds(units, 4, 4, link, link.slowed(8)) == {
+        "intra-node": comm.fsdp_step_seconds(units, 4, link), "inter-node": 0.0}
+    ddp_like = comm.hsdp_step_seconds(units, 4, 1, link, link)
+    assert ddp_like["intra-node"] == 0.0
+    assert ddp_like["inter-node"] == pytest.approx(sum(
+        comm.predict_seconds("all_reduce", b, 4, link.alpha, link.beta) for b in units))
+    assert hsdp_volume_per_link(1000, 8, 2) == {"intra-node": 1500.0, "inter-node": 750.0}
+    with pytest.raises(ValueError, match="shard_group must divide world"):
+        hsdp_volume_per_link(1000, 8, 3)
+
+
+def test_the_node_model_of_hsdp_against_fsdp():
+    """On the course's H100 nodes, HSDP inside a node is FSDP over the node plus an
+    all-reduce of Ψ/S across nodes, one NIC per GPU; with one replica it is FSDP."""
+    nbytes, world, s = 2e9, 64, 8
+    h = network.hsdp_collectives_seconds(nbytes, world, s)
+    assert h["intra-node"] == pytest.approx(network.fsdp_collectives_seconds(nbytes, s))
+    assert h["inter-node"] == pytest.approx(network.collective_seconds(
+        "all_reduce", nbytes / s, world // s, ranks_per_node=1))
+    assert network.hsdp_collectives_seconds(nbytes, s, s)["inter-node"] == 0.0
+    with pytest.raises(ValueError, match="shard_group must divide"):
+        network.hsdp_collectives_seconds(nbytes, world, 16)
 
 
 @pytest.mark.parametrize("strategy", ["hsdp", "torch-hsdp"])
