@@ -39,6 +39,16 @@ def step_time(reports) -> float:
     return max(median_step_time(r) for r in reports)
 
 
+# the all-gathers this machine's link is fitted to: 4 kB to 4 MB (gpt-small's units are
+# about 1 MB each)
+LINK_SIZES = (2**12, 2**15, 2**18, 2**20, 2**22)
+
+
+def measure_then_train(runs: list[tuple], ranks_per_node: int):
+    """Worker: fit this machine's link on all-gathers of `LINK_SIZES`, then train."""
+    return demo.train_across_nodes(runs, ranks_per_node, demo.measure_link(LINK_SIZES))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 runs.append((strategies[name], factor))
                 keys.append((factor, name))
-    ranks = launch(demo.train_across_nodes, args.world, runs, args.shard_group,
+    ranks = launch(measure_then_train, args.world, runs, args.shard_group,
                    timeout=3600)
     fast = ranks[0][0]
     by_key: dict[tuple, list] = {}

@@ -250,7 +250,7 @@ def train_strategies(configs: list) -> list:
     return [train_worker(config) for config in configs]
 
 
-def measure_link(sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22),
+def measure_link(sizes: tuple[int, ...] = (2**12, 2**16, 2**20),
                  repeats: int = 3) -> comm.Link:
     """This machine's link as the α-β model sees it: (α, β) fitted to all-gathers over all
     ranks (`time_collectives`, `fit_alpha_beta`), rank 0's fit on every rank, so that a
