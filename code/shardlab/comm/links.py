@@ -2,8 +2,8 @@
 
 Past one node, a collective's cost depends on the link it runs over: NVLink inside a
 node, the NICs between nodes. HSDP's point is to put its frequent collectives (the
-all-gathers, the reduce-scatter) on the first and only one all-reduce per step on the
-second. To show that, the ledger must say which records crossed which link, and one
+all-gathers, the reduce-scatter) on the first, and only one all-reduce per unit and step
+on the second. To show that, the ledger must say which records crossed which link, and one
 machine must have a slower link to cross.
 
     label_link(group, "intra-node")    name the link a process group's collectives use
@@ -16,8 +16,9 @@ machine must have a slower link to cross.
 
 The throttle is a simulation, and says so wherever its numbers appear: on one machine all
 ranks talk through shared memory, so "inter-node" is a label plus a sleep. After the real
-collective completes, the calling rank sleeps the α-β time of the ring over the simulated
-link (its rounds and bytes per round from `ring_traffic`, the rule the ledger counts by):
+collective completes, the calling rank sleeps the extra α-β time of the ring on the
+slower link (its rounds and bytes per round from `ring_traffic`, the rule the ledger
+counts by):
 a ring is as slow as its slowest hop, and every round of a ring spanning two nodes has
 one hop between them. The sleep holds the calling thread, as a blocking collective does:
 an asynchronous collective on a throttled group loses its overlap. Ring collectives
