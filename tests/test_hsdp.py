@@ -29,9 +29,10 @@ from shardlab.launch import launch
 from shardlab.memory import model_states
 from shardlab.train import TrainConfig, run, train_many
 
-STEPS = 8
+STEPS = 6
 SHAPES = [(4, 2), (4, 1)]  # (N, S)
 K = 2                      # the checkpoint's step
+LOOP_STEPS = 2             # of the training loop's runs, which report bytes
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # another world size: the fp32 bound of the parity tests
 LAUNCH_TIMEOUT = 900
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT * 2)
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT * 2)
 
 def loop(strategy: str, shard_group: int | None = None, **kw) -> TrainConfig:
     options = {} if shard_group is None else {"shard_group": shard_group}
-    return TrainConfig(strategy=strategy, world=4, steps=3, options=options, **kw)
+    return TrainConfig(strategy=strategy, world=4, steps=LOOP_STEPS, options=options, **kw)
 
 
 LOOP_RUNS = {(s, n_s[1]): loop(s, n_s[1]) for n_s in SHAPES for s in ("hsdp", "torch-hsdp")}
@@ -50,7 +51,8 @@ FAST, SLOWER = comm.Link(alpha=1e-4, beta=1e9), 4
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("hsdp") / "ckpt")
+    root = tmp_path_factory.mktemp("hsdp")
+    folder, torch_folder = str(root / "ckpt"), str(root / "torch-ckpt")
     parity = []
     for _, s in SHAPES:
         parity.append(dict(strategy="hsdp", options={"shard_group": s}))
@@ -59,18 +61,21 @@ def results(tmp_path_factory):
     full = TrainConfig(strategy="hsdp", world=4, steps=2 * K, options={"shard_group": 2},
                        keep_params=True, record_ledger=False, measure_memory=False)
     saving = replace(full, steps=K, save_every=K, checkpoint_dir=folder)
+    torch_saving = replace(saving, strategy="torch-hsdp", checkpoint_dir=torch_folder)
     throttled = [(LOOP_RUNS[("hsdp", 2)], SLOWER)]
     ranks = launch(run_all, 4, [(w.parity_cases, (parity, STEPS)),
-                                (train_many, ([*LOOP_RUNS.values(), full, saving],)),
+                                (train_many, ([*LOOP_RUNS.values(), full, saving, torch_saving],)),
                                 (train_across_nodes, (throttled, 2, FAST))],
                    backend="gloo", timeout=LAUNCH_TIMEOUT)
     resumed_as = [replace(full, world=2, strategy=s, options=o, resume=True,
                           checkpoint_dir=folder)
                   for s, o in (("fsdp2", {}), ("hsdp", {"shard_group": 1}))]
+    resumed_as.append(replace(resumed_as[0], checkpoint_dir=torch_folder))
     resumed = launch(train_many, 2, resumed_as, backend="gloo", timeout=LAUNCH_TIMEOUT)
     loops = [dict(zip(LOOP_RUNS, r[1][:len(LOOP_RUNS)])) for r in ranks]
     return {"parity": [r[0] for r in ranks], "loops": loops,
-            "full": ranks[0][1][-2], "resumed": dict(zip(("fsdp2", "hsdp"), resumed[0])),
+            "full": ranks[0][1][-3],
+            "resumed": dict(zip(("fsdp2", "hsdp", "fsdp2 from torch-hsdp"), resumed[0])),
             "throttled": [r[2][1][0] for r in ranks]}
 
 
@@ -120,7 +125,7 @@ def test_ledger_bytes_per_link_equal_the_analysis(results, strategy, shape):
     for rank_loops in results["loops"]:
         report = rank_loops[(strategy, s)]
         predicted = hsdp_volume_per_link(report.psi, n, s, bytes_per_elem=4)
-        for step in range(3):
+        for step in range(LOOP_STEPS):
             sent: dict[str, int] = {}
             for r in report.ledger:
                 if r.step == step:
@@ -148,8 +153,9 @@ def test_what_crosses_the_slow_link_hsdp_against_fsdp_over_all_ranks(results):
 
 def test_an_hsdp_checkpoint_resumes_under_fsdp2_on_two_ranks(results):
     """Saved on 4 ranks by HSDP (replica 0 writes), resumed by `fsdp2` on 2 ranks and by
-    HSDP with S = 1 (every rank a replica that reads its piece whole): the steps after
-    the checkpoint match the uninterrupted HSDP run within the fp32 bound."""
+    HSDP with S = 1 (every rank a replica that reads its piece whole); saved by PyTorch's
+    HSDP (its 2-D DTensors), resumed by `fsdp2`: the steps after the checkpoint match the
+    uninterrupted HSDP run within the fp32 bound."""
     full = results["full"]
     for strategy, moved in results["resumed"].items():
         assert moved.first_step == K, strategy
