@@ -20,7 +20,8 @@ from shardlab import checkpoint
 from shardlab.debugging import check_memory_limit, check_straggler
 from shardlab.models import MODEL_NAMES, check_batch_split, corpus_tokens, longest_sequence
 from shardlab.precision import get_precision
-from shardlab.strategy import checkpoint_refusal, get_strategy, optimizer_spec
+from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_strategy,
+                               optimizer_spec)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class TrainConfig:
         check_batch_split(self.batch_size, self.world, self.grad_accum)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+        check_before_launch(self.strategy, self.options, self.world)
         if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) \
                 or self.save_every < 0:
             raise ValueError(f"save_every must be a whole number >= 0 (0: never), got "

@@ -250,6 +250,44 @@ def train_strategies(configs: list) -> list:
     return [train_worker(config) for config in configs]
 
 
+def measure_link(sizes: tuple[int, ...] = (2**12, 2**16, 2**20),
+                 repeats: int = 3) -> comm.Link:
+    """This machine's link as the α-β model sees it: (α, β) fitted to all-gathers over all
+    ranks (`time_collectives`, `fit_alpha_beta`), rank 0's fit on every rank, so that a
+    throttle built on it sleeps the same on all of them."""
+    alpha, beta = comm.fit_alpha_beta(time_collectives(["all_gather"], list(sizes), repeats))
+    agreed = [(alpha, beta)]
+    dist.broadcast_object_list(agreed, src=0)
+    return comm.Link(*agreed[0])
+
+
+def train_across_nodes(runs: list[tuple], ranks_per_node: int,
+                       fast: comm.Link | None = None) -> tuple[comm.Link, list]:
+    """Train each (`TrainConfig`, factor) as if the ranks were nodes of `ranks_per_node`
+    whose link between them is `factor` times slower than `fast` (α and 1/β both; this
+    machine's, measured by `measure_link`, unless given): a SIMULATION on one machine
+    (`shardlab.comm.links`): every collective of a group labelled "inter-node" sleeps the
+    extra α-β time of its ring after it completes. Returns (fast, the reports).
+
+    HSDP labels its own groups (shard: intra-node, replicate: inter-node). Any other
+    strategy over more ranks than a node holds runs on rings that span nodes, whose pace
+    is their slowest hop: its group of all ranks is labelled "inter-node" for that run."""
+    from shardlab.train import train_worker
+
+    fast = fast or measure_link()
+    reports = []
+    for config, factor in runs:
+        spans = not config.strategy.endswith("hsdp") and config.world > ranks_per_node
+        comm.label_link(None, comm.INTER if spans else comm.UNLABELLED)
+        comm.throttle_link(comm.INTER, fast.alpha * (factor - 1), (factor - 1) / fast.beta)
+        try:
+            reports.append(train_worker(config))
+        finally:
+            comm.unthrottle_link(comm.INTER)
+            comm.label_link(None, comm.UNLABELLED)
+    return fast, reports
+
+
 def run_all(calls: list[tuple]) -> list:
     """Run several workers, `(function, args)` pairs, one after the other in one launch.
 

@@ -15,7 +15,14 @@ GPUs is in a group of its own and all of them leave the node at once: one NIC pe
     time            max(r / intra, (G/p) · r / (nics · nic))   over more than one node
 
 The α term is left out unless given: for the large collectives this arithmetic is about,
-bandwidth dominates (chapter 1's problems weigh the two).
+bandwidth dominates (chapter 1's problems weigh the two). Each link has its own α when
+given (`alpha_intra`, `alpha_inter`): a ring across nodes pays the slower one per round.
+
+FSDP over all GPUs and HSDP (shard inside a node, replicate across) are two ways to put
+one step's collectives on those two links (`fsdp_collectives_seconds`,
+`hsdp_collectives_seconds`): FSDP's rings cross nodes through every NIC of the node at
+once, but only as long as its slowest hop; HSDP runs on NVLink, then all-reduces a 1/S
+shard with one NIC per GPU.
 """
 
 from __future__ import annotations
@@ -101,6 +108,35 @@ def collective_seconds(op: str, nbytes: float, world: int, cluster: Cluster = H1
         return latency + inside
     across = bytes_leaving_node(op, nbytes, world, cluster, p) / cluster.node_egress_bps
     return latency + max(inside, across)
+
+
+def fsdp_collectives_seconds(nbytes: float, world: int, cluster: Cluster = H100_NODES,
+                             alpha_intra: float = 0.0, alpha_inter: float = 0.0) -> float:
+    """One step of FSDP over all `world` GPUs, its model of `nbytes`: two all-gathers and
+    a reduce-scatter, each a ring over every GPU (across nodes once `world` is more than
+    a node: the α of each round is then the link between nodes')."""
+    alpha = alpha_inter if world > cluster.gpus_per_node else alpha_intra
+    return 3 * collective_seconds("all_gather", nbytes, world, cluster, alpha=alpha)
+
+
+def hsdp_collectives_seconds(nbytes: float, world: int, shard_group: int,
+                             cluster: Cluster = H100_NODES, alpha_intra: float = 0.0,
+                             alpha_inter: float = 0.0) -> dict[str, float]:
+    """One step of HSDP, by link: FSDP's three collectives inside a shard group of S GPUs
+    of one node (NVLink), then an all-reduce of the Ψ/S gradient shard over the R = N/S
+    replicas, one GPU per node, every GPU of the node at once (one NIC each)."""
+    if not 1 <= shard_group <= cluster.gpus_per_node or world % shard_group \
+            or cluster.gpus_per_node % shard_group:
+        raise ValueError(f"shard_group must divide world={world} and "
+                         f"gpus_per_node={cluster.gpus_per_node}, got {shard_group!r}")
+    replicas = world // shard_group
+    inter = 0.0
+    if replicas > 1:
+        inter = collective_seconds("all_reduce", nbytes / shard_group, replicas, cluster,
+                                   ranks_per_node=1, alpha=alpha_inter)
+    return {"intra-node": 3 * collective_seconds("all_gather", nbytes, shard_group,
+                                                 cluster, alpha=alpha_intra),
+            "inter-node": inter}
 
 
 def tokens_to_hide(op: str, world: int, cluster: Cluster = H100_NODES,

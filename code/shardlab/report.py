@@ -108,6 +108,22 @@ def median_step_time(report: RunReport) -> float:
     return statistics.median(report.step_times[i] for i in steady_steps(report))
 
 
+def unit_sizes(report: RunReport) -> list[int]:
+    """Each unit's full (padded) bytes, read off the ledger: a sharded strategy
+    reduce-scatters each unit's gradients once a step (HSDP: inside its shard group).
+    What the α-β model of a step (`shardlab.comm.fsdp_step_seconds`) takes."""
+    last = max((r.step for r in report.ledger), default=0)
+    return [r.logical_bytes for r in report.ledger
+            if r.step == last and r.op == "reduce_scatter"]
+
+
+def collective_seconds(report: RunReport) -> float:
+    """The seconds of the step's collectives added up, median over the steady steps (on
+    gloo and a CPU they barely overlap compute: close to the step's communication)."""
+    return statistics.median(sum(r.seconds for r in report.ledger if r.step == s)
+                             for s in steady_steps(report))
+
+
 # ----------------------------------------------------------------------------- intervals
 # Spans are (begin, end) pairs of one rank's clock; a "set" of spans is kept merged.
 

@@ -117,8 +117,10 @@ class Piece:
     ranges: list[tuple[int, int, int]] | None = None
     master: torch.Tensor | None = None
     optimizer_state: Callable[[], dict[str, torch.Tensor]] = dict
-    # False: another rank writes this parameter, the one holding its master copy and
-    # optimizer state whole (ZeroRedundancyOptimizer); this rank only reads it back.
+    # False: another rank writes these elements. With `ranges` None, the rank holding
+    # the parameter's master copy and optimizer state whole (ZeroRedundancyOptimizer):
+    # this rank reads back the values alone. With `ranges`, an equal replica's rank
+    # (HSDP): this rank reads back its piece whole, values and optimizer state.
     writer: bool = True
     aliases: tuple[str, ...] = ()              # its other names (a tied weight)
 
@@ -343,6 +345,8 @@ STRATEGIES: dict[str, str] = {
     "zero3": "shardlab.zero3:wrap_zero3",
     "fsdp2": "shardlab.fsdp:wrap_fsdp2",
     "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
+    "hsdp": "shardlab.hsdp:wrap_hsdp",
+    "torch-hsdp": "shardlab.hsdp:wrap_torch_hsdp",
     "deepspeed-zero1": "shardlab.deepspeed_ref:wrap_deepspeed_zero1",
     "deepspeed-zero2": "shardlab.deepspeed_ref:wrap_deepspeed_zero2",
     "deepspeed-zero3": "shardlab.deepspeed_ref:wrap_deepspeed_zero3",
@@ -363,6 +367,18 @@ def checkpoint_refusal(name: str) -> str | None:
     get_strategy(name)
     module_name = STRATEGIES[name].split(":")[0]
     return getattr(importlib.import_module(module_name), "CHECKPOINT_REFUSAL", None)
+
+
+def check_before_launch(name: str, options: dict, world: int) -> None:
+    """Refuse, in the launching process, options a strategy can judge without its ranks
+    (HSDP's shard group against the world size): a strategy module that can says so in
+    a function `check_options_before_launch(name, options, world)`."""
+    get_strategy(name)
+    module_name = STRATEGIES[name].split(":")[0]
+    check = getattr(importlib.import_module(module_name), "check_options_before_launch",
+                    None)
+    if check is not None:
+        check(name, options, world)
 
 
 def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,

@@ -185,11 +185,15 @@ def state_dict(wrapped, for_load: bool = False) -> dict[str, object]:
     trainable = []
     for piece in pieces:
         names = (piece.name, *piece.aliases)
-        if not piece.writer:  # another rank writes it (and holds its optimizer state)
-            if for_load:
-                for name in names:
-                    state[f"model.{name}"] = piece.values.view(piece.shape)
+        if not piece.writer and not for_load:  # another rank writes the same elements
             continue
+        if not piece.writer and piece.ranges is None:
+            # a whole parameter whose master copy and optimizer state another rank holds
+            # (ZeroRedundancyOptimizer): read back the values alone
+            for name in names:
+                state[f"model.{name}"] = piece.values.view(piece.shape)
+            continue
+        # (a replica's piece, HSDP's, is read back whole: values and optimizer state)
         weights = piece.master if piece.master is not None else piece.values
         for name in names:  # a tied weight under each of its names, as PyTorch writes it
             state[f"model.{name}"] = _chunked(piece, weights, sharded)

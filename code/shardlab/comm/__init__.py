@@ -7,26 +7,32 @@ One idea, *what a collective costs*, in a file per part, so that each reads alon
     ledger.py    `with Ledger():` records every collective this rank runs, ring or native,
                  with its bytes, its launch, its completion and the waits for it
     records.py   what a record holds, `ring_traffic` (the bytes it counts), and the sums
-    volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring
+    volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring, one (α, β)
+                 per link past one node
     compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
+    links.py     which link a collective crosses (its group's label), and a slower link
+                 simulated on one machine (`throttle_link`: a sleep, labelled so)
     flight.py    a flight recorder: the ledger's last K collectives in a file per rank
     hang_diagnosis.py  the ranks' flight files compared: who is behind, what mismatched
 
 Import from `shardlab.comm` (as every chapter and lab does); the parts import each other
-one way only: compat and records import nothing of the course, the ledger builds on the
-records, the ring and the flight recorder on the ledger, the diagnosis on the recorder.
+one way only: compat and records import nothing of the course, links builds on the records,
+the ledger on both, the ring and the flight recorder on the ledger, the diagnosis on the recorder.
 """
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.comm.flight import FlightDump, FlightEntry, FlightRecorder, read_flight
 from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose, flight_folder
-from shardlab.comm.ledger import Ledger, clock_offset
+from shardlab.comm.ledger import Ledger, clock_offset, throttle_link
+from shardlab.comm.links import (INTER, INTRA, UNLABELLED, Throttle, label_link, link_of,
+                                 per_link, unthrottle_link)
 from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_step,
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
                                 ring_broadcast, ring_reduce_scatter)
-from shardlab.comm.volumes import (STRATEGY_COLLECTIVES, VOLUME_FACTORS, fit_alpha_beta,
-                                   predict_seconds, volume_per_rank)
+from shardlab.comm.volumes import (STRATEGY_COLLECTIVES, VOLUME_FACTORS, Link,
+                                   fit_alpha_beta, fsdp_step_seconds, hsdp_step_seconds,
+                                   hsdp_volume_per_link, predict_seconds, volume_per_rank)
 
 __all__ = [
     "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
@@ -34,5 +40,7 @@ __all__ = [
     "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
     "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
-    "HangDiagnosis", "diagnose", "flight_folder",
+    "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
+    "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",
+    "Link", "fsdp_step_seconds", "hsdp_step_seconds",
 ]

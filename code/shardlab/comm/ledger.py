@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.comm import links
+from shardlab.comm.links import Throttle, group_name, per_link
 from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_step,
                                    ring_traffic, totals)
 
@@ -51,7 +53,7 @@ def _emit(op, dtype, numel, logical_bytes, sent, received, seconds, world, round
     for ledger in list(_ACTIVE):
         record = CollectiveRecord(op, dtype, numel, logical_bytes, sent, received, seconds,
                                   ledger.step, world, rounds, round_bytes, start,
-                                  start + seconds, [], group)
+                                  start + seconds, [], group, links.link_of(group))
         ledger.records.append(record)
         records.append(record)
     return records
@@ -86,7 +88,7 @@ def recorded_ring(op: str, tensor: torch.Tensor, numel: int, world: int, rank: i
         sent, received, rounds, round_bytes = ring_traffic(op, numel, world, size, rank, src)
         seconds = time.perf_counter() - start
         records = _emit(op, tensor.dtype, numel, numel * size, sent, received, seconds,
-                        world, rounds, round_bytes, start, _group_name(group))
+                        world, rounds, round_bytes, start, group_name(group))
         for record in records:
             record.waits.append((start, start + seconds))
         _tell_ended(records)
@@ -132,13 +134,26 @@ _NATIVE = {
 }
 
 
-def _group_name(group) -> str:
-    """The name c10d gave a process group: the same on every rank of it."""
-    try:
-        group = group if group is not None else dist.group.WORLD
-        return str(getattr(group, "group_name", ""))
-    except (RuntimeError, ValueError):  # no default group
-        return ""
+def _throttle_seconds(describe, args) -> float:
+    """SIMULATION (`shardlab.comm.links`): the seconds a throttled group's collective is
+    made to last longer than it does; 0 for a group that is not throttled."""
+    name, tensors, numel, boxed_group, src = describe(args)
+    group = dist.ProcessGroup.unbox(boxed_group)
+    throttle = links.throttle_of(group_name(group))
+    if throttle is None:
+        return 0.0
+    return throttle.seconds(name, numel, group.size(), _first(tensors).element_size(),
+                            group.rank(), src)
+
+
+def _hold(out, seconds: float) -> None:
+    """Let the collective finish, then sleep: the simulated link's extra time."""
+    work = out[-1] if isinstance(out, tuple) else out
+    if isinstance(work, torch.ScriptObject):
+        unboxed = dist.Work.unbox(work)
+        if unboxed is not None:
+            _original_wait(unboxed)
+    time.sleep(seconds)
 
 
 def _record_native(describe, args) -> Callable:
@@ -150,7 +165,7 @@ def _record_native(describe, args) -> Callable:
     sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank, src)
     start = time.perf_counter()
     records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received, 0.0,
-                    world, rounds, round_bytes, start, _group_name(group))
+                    world, rounds, round_bytes, start, group_name(group))
 
     def finished(out):
         elapsed = time.perf_counter() - start
@@ -236,11 +251,15 @@ def _watching_kernel(op, describe):
     below = torch._C.DispatchKey.BackendSelect
 
     def kernel(keyset, *args, **kwargs):
-        if not _ACTIVE or getattr(_local, "depth", 0):
+        if not (_ACTIVE or links.any_throttled()) or getattr(_local, "depth", 0):
             return op.redispatch(keyset.remove(below), *args, **kwargs)
-        finished = _record_native(describe, args)
+        held = _throttle_seconds(describe, args) if links.any_throttled() else 0.0
+        finished = _record_native(describe, args) if _ACTIVE else None
         out = op.redispatch(keyset.remove(below), *args, **kwargs)
-        finished(out)
+        if held:
+            _hold(out, held)
+        if finished is not None:
+            finished(out)
         return out
 
     return kernel
@@ -270,6 +289,16 @@ def _watch_native_collectives() -> None:
         op = getattr(torch.ops.c10d, name).default
         library.impl(name, _watching_kernel(op, describe), "BackendSelect", with_keyset=True)
     _watch_library = library  # kept alive: the kernels last as long as the library object
+
+
+def throttle_link(link: str, alpha: float = 0.0, seconds_per_byte: float = 0.0) -> Throttle:
+    """SIMULATION: make every native collective of the groups labelled `link` last its
+    ring's rounds x (`alpha` + bytes per round x `seconds_per_byte`) longer, on every rank
+    of them, as if they crossed a slower link (`shardlab.comm.links` says how and what it
+    leaves out). Their records then carry that time too. `unthrottle_link` undoes it."""
+    throttle = links.set_throttle(link, alpha, seconds_per_byte)
+    _watch_native_collectives()  # the sleep happens in the kernels that watch collectives
+    return throttle
 
 
 class Ledger:
@@ -321,6 +350,9 @@ class Ledger:
 
     def per_step(self) -> list[dict[str, dict]]:
         return per_step(self.records)
+
+    def per_link(self) -> dict[str, dict]:
+        return per_link(self.records)
 
     def table(self, seconds: bool = False) -> str:
         return format_table(self.records, seconds=seconds)

@@ -33,7 +33,9 @@ class CollectiveRecord:
     instants as `seconds` (`end` is NaN while neither a completion nor a wait is known).
     waits: the (begin, end) spans in which this rank's thread was held by it: its launch,
     then `work.wait()` (the whole call, for a ring collective, which blocks). group: the process group's name,
-    the same on every rank, so the ranks' records of one collective can be paired.
+    the same on every rank, so the ranks' records of one collective can be paired. link:
+    the label of the link that group crosses (`shardlab.comm.links`: "intra-node",
+    "inter-node"), "unlabelled" for a group nobody labelled.
     """
 
     op: str
@@ -51,6 +53,7 @@ class CollectiveRecord:
     end: float = 0.0
     waits: list[tuple[float, float]] = field(default_factory=list)
     group: str = ""
+    link: str = "unlabelled"
 
 
 def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,

@@ -92,10 +92,15 @@ def _unit_of(module: nn.Module) -> PerParamUnit:
     return units[0]
 
 
-def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
+                reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: CPUOffloadPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already sharded by a child) along dim 0.
+
+    `group`: the ranks that share the shards (all, by default). `replicate_group`: HSDP,
+    where PyTorch takes a 2-D mesh: the ranks, one per shard group, that hold this rank's
+    same shards, and with whom each reduced gradient shard is all-reduced.
 
     Apply it bottom-up: to each block, then to the root. Refused: a second call on the
     same module; a call on a child after its parent (the parent already took its
@@ -123,12 +128,14 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         elif _is_ancestor(owner.module, module):
             raise ValueError(_order_error(module, owner.module))
         # else: a shard of a child unit, which owns it
-    check_same_on_all_ranks([(s.name, s.param) for s in slots], group,
+    # HSDP's replicas must start equal too: then the check spans every rank
+    check_same_on_all_ranks([(s.name, s.param) for s in slots],
+                            None if replicate_group is not None else group,
                             what=f"this {type(module).__name__}")
     device = next((s.param.device for s in slots), torch.device("cpu"))
     # A root whose children took every parameter gets an empty unit: it still runs the
     # root's part of the schedule (the end-of-backward callback).
-    unit = PerParamUnit(module, slots, group=group,
+    unit = PerParamUnit(module, slots, group=group, replicate_group=replicate_group,
                         reshard_after_forward=reshard_after_forward,
                         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                         offload=offload_policy is not None, device=device)

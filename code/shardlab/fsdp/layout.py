@@ -141,6 +141,8 @@ class PerParamUnit(ShardedUnit):
                                   self.world)
             mine = next(((a, z) for r, a, z in ranges if r == self.rank), None)
             a, z = mine or (0, 0)  # (0, 0): none of it here
+            # named by global rank: the group's ranks, in HSDP this replica's ranks
+            ranges = [(self.global_rank(r), lo, hi) for r, lo, hi in ranges]
             window = slice(0, z - a)
             master = masters.get(id(p))
             stepped = master if master is not None else p
@@ -149,7 +151,8 @@ class PerParamUnit(ShardedUnit):
                 master=None if master is None else master.detach().reshape(-1)[window],
                 optimizer_state=state_of(optimizer, stepped, window)
                 if p.requires_grad else dict,
-                aliases=s.aliases))
+                # HSDP: every replica holds the same pieces; the first one writes them
+                writer=self.replica == 0, aliases=s.aliases))
         return out
 
     def gather_full(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -42,7 +42,9 @@ def _policies(precision, options):
     return mp, bool(options["offload"])
 
 
-def _apply(model, precision, options, shard_fn, mp_cls, offload_cls):
+def apply_fsdp2(model, precision, options, shard_fn, mp_cls, offload_cls):
+    """`shard_fn` (ours or PyTorch's `fully_shard`, bound to its groups or mesh) applied
+    to each unit of the wrap policy, bottom-up, with the options as its policies."""
     mp, offload = _policies(precision, options)
     if not precision.master_weights:
         model = model.to(precision.param_dtype)
@@ -81,8 +83,17 @@ def wrap_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     (explicit, unit to unit), offload (CPUOffloadPolicy), reduce_dtype ("fp32" or "bf16",
     under "bf16-mixed")."""
     options = check_options("fsdp2", options, FSDP2_OPTIONS)
-    model = _apply(model, precision, options, fully_shard, MixedPrecisionPolicy,
-                   CPUOffloadPolicy)
+    return fully_shard_on(model, precision, optimizer, options)
+
+
+def fully_shard_on(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                   options: dict, group=None, replicate_group=None) -> Wrapped:
+    """The course's `fully_shard` sharding over `group` (all ranks by default) and, for
+    HSDP, replicating over `replicate_group`, under the options, behind the contract."""
+    model = apply_fsdp2(model, precision, options,
+                        lambda m, **kw: fully_shard(m, group=group,
+                                                    replicate_group=replicate_group, **kw),
+                        MixedPrecisionPolicy, CPUOffloadPolicy)
     state = model_state(model)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
@@ -93,11 +104,18 @@ def wrap_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
 def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
     """The pieces of a model sharded by PyTorch's `fully_shard`: each parameter is a
     DTensor cut along dim 0 as `torch.chunk` cuts it (ceil(d0/N) rows a rank), the same
-    rows as the course's FSDP2, so the same ranges of the flattened parameter."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rows as the course's FSDP2, so the same ranges of the flattened parameter.
+
+    On a 2-D mesh (HSDP: replicate x shard) the cut is over the mesh's last dimension, S
+    ranks; each replica holds the same pieces, and the first replica writes them."""
     names = tied_names(model)
     out = []
     for name, p in model.named_parameters():
+        mesh = p.device_mesh
+        grid = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1))  # [replicas, S] ranks
+        coordinate = mesh.get_coordinate()
+        replica, rank = (coordinate[0] if mesh.ndim > 1 else 0), coordinate[-1]
+        world, ranks = grid.shape[1], grid[replica].tolist()
         local = p.to_local().detach()
         rows = -(-p.shape[0] // world)
         cols = p.numel() // p.shape[0]
@@ -107,10 +125,11 @@ def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
             raise ValueError(f"{name}: PyTorch's fully_shard holds {local.numel()} elements "
                              f"on rank {rank}, not the {z - a} of a dim-0 torch.chunk cut; "
                              f"this layout cannot be checkpointed by shardlab")
-        out.append(Piece(name, p.shape, a, z, local.reshape(-1), ranges,
+        out.append(Piece(name, p.shape, a, z, local.reshape(-1),
+                         [(ranks[r], lo, hi) for r, lo, hi in ranges],
                          optimizer_state=state_of(optimizer, p, slice(0, z - a))
                          if p.requires_grad else dict,
-                         aliases=tuple(names[id(p)][1:])))
+                         writer=replica == 0, aliases=tuple(names[id(p)][1:])))
     return out
 
 
@@ -119,19 +138,29 @@ def wrap_torch_fsdp2(model: nn.Module, precision: Precision, optimizer: Optimize
     """The reference: PyTorch's `fully_shard` per unit, then on the root, on a 1-D device
     mesh over all ranks, with the same options mapped to PyTorch's policies."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    options = check_options("torch-fsdp2", options, FSDP2_OPTIONS)
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    return torch_fully_shard_on(mesh, model, precision, optimizer, options)
+
+
+def torch_fully_shard_on(mesh, model: nn.Module, precision: Precision,
+                         optimizer: OptimizerSpec, options: dict) -> Wrapped:
+    """PyTorch's `fully_shard` on `mesh` (1-D: FSDP; 2-D replicate x shard: HSDP) under
+    the course's options, behind the course's contract."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    options = check_options("torch-fsdp2", options, FSDP2_OPTIONS)
-    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
-    model = _apply(model, precision, options,
-                   lambda m, **kw: torch_fully_shard(m, mesh=mesh, **kw), TorchMP,
-                   TorchOffload)
+    model = apply_fsdp2(model, precision, options,
+                        lambda m, **kw: torch_fully_shard(m, mesh=mesh, **kw), TorchMP,
+                        TorchOffload)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
 
     def full_parameters():
-        return {name: p.full_tensor().detach().cpu()
+        # cloned: over a shard dimension of one rank (HSDP with S = 1) full_tensor() is
+        # the live local tensor itself, which the next step changes in place
+        return {name: p.full_tensor().detach().cpu().clone()
                 for name, p in model.named_parameters()}
 
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),

@@ -105,7 +105,8 @@ class ShardedUnit:
     """
 
     def __init__(self, module: nn.Module, slots: list[ParamSlot], *, group=None,
-                 reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 replicate_group=None, reshard_after_forward: bool = True,
+                 param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, offload: bool = False,
                  device: torch.device | None = None):
         self.module = module
@@ -113,6 +114,11 @@ class ShardedUnit:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # HSDP: the same shard is held by one rank in each of R groups (the replicas),
+        # which average their reduced gradient shards with an all-reduce across groups.
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group else 1
+        self.replica = dist.get_rank(replicate_group) if replicate_group else 0
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -271,7 +277,12 @@ class ShardedUnit:
         if not timed:
             _trace(self, "reduce-scatter", "end")
         self.pending_reduce = None
-        reduced.div_(self.world)  # the mean over ranks of the per-rank mean losses
+        if self.replicate_group is not None:
+            # HSDP: the shard, reduced inside its group, summed with the same shard of
+            # every other replica (one rank per group): Ψ/S elements cross the groups
+            dist.all_reduce(reduced, group=self.replicate_group)
+        # the mean over all ranks of the per-rank mean losses
+        reduced.div_(self.world * self.replicas)
         self.add_sharded_grads(reduced)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -285,6 +296,12 @@ class ShardedUnit:
 
     def shard_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
+
+    def global_rank(self, group_rank: int) -> int:
+        """The process's rank in the whole job of this unit's group's rank `group_rank`
+        (a checkpoint names the ranks that hold each piece by their global ranks)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group,
+                                                                          group_rank)
 
 
 def _cast_floats(obj, dtype):
