@@ -8,6 +8,8 @@ import sys
 COMMANDS = {
     "memory": ("shardlab.memory", "per-rank memory of every ZeRO stage, and what fits"),
     "train": ("shardlab.cli", "train a small GPT with any strategy (launcher or torchrun)"),
+    "rendezvous": ("shardlab.launch.torchrun", "wait until node 0's torchrun answers at "
+                                               "HOST:PORT (run on the other nodes first)"),
 }
 
 
@@ -16,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: python -m shardlab {" + ",".join(COMMANDS) + "} [options]\n")
         for name, (_, about) in COMMANDS.items():
-            print(f"  {name:8s} {about}")
+            print(f"  {name:10s} {about}")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
             return 2

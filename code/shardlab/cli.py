@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardlab.launch import BACKENDS, DEVICES, LaunchError, RankFailed, under_torchrun
+from shardlab.launch import (BACKENDS, DEVICES, LaunchError, RankFailed, check_world,
+                             under_torchrun)
 from shardlab.models import MODEL_NAMES, build_model
-from shardlab.report import report_to_json, summary_table
+from shardlab.report import report_to_json, summary_table, whereabouts_lines
 from shardlab.strategy import OPTIMIZERS, STRATEGIES
 from shardlab.config import TrainConfig, check_writable_folder
 from shardlab.train import run
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=defaults.strategy, choices=sorted(STRATEGIES))
     p.add_argument("--world", type=int, default=None,
                    help="ranks to launch (default 1; under torchrun: its WORLD_SIZE)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes the run spans, checked against torchrun's --nnodes "
+                        "(GROUP_WORLD_SIZE); the launcher runs on this one node")
     p.add_argument("--model", default=defaults.model, choices=list(MODEL_NAMES))
     p.add_argument("--precision", default=defaults.precision, choices=sorted(PRECISIONS))
     p.add_argument("--optimizer", default=defaults.optimizer, choices=sorted(OPTIMIZERS))
@@ -73,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=list(DEVICES),
                    help="auto: NCCL with a GPU per rank, gloo with ranks sharing the GPUs, "
                         "or gloo on the CPU; cpu or cuda to force one")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="RANK",
+                   help="rehearse a straggler: this rank sleeps --slow-seconds before "
+                        "every forward")
+    p.add_argument("--slow-seconds", type=float, default=0.0, metavar="S")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--no-ledger", action="store_true", help="skip recording collectives")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -106,7 +114,7 @@ _FLAG_WORDS = [
     (r"\bresume=False\b", "no --resume"),
     (r"\b(precision|optimizer)='([^']*)'", r"--\1 \2"),
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
-     r"trust_checkpoint|resume_world)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
+     r"trust_checkpoint|resume_world|slow_rank|slow_seconds)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
     (r"\bexport_path\b", "--export"),
     (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),
 ]
@@ -125,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(build_parser().parse_args(argv))
     except (ValueError, LaunchError) as exc:
+        if under_torchrun() and os.environ["LOCAL_RANK"] != "0":
+            return 2  # every rank has the same line to say: one per node says it
         message = (exc.rank_traceback.strip().splitlines()[-1]
                    if isinstance(exc, RankFailed) else str(exc))
         print(f"error: {in_flags(message)}", file=sys.stderr)
@@ -135,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config(args) -> TrainConfig:
     torchrun = under_torchrun()
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError(f"--nodes must be a whole number of nodes >= 1, got {args.nodes}")
+    if torchrun:
+        check_world(args.resume_world if args.resume_world is not None else args.world,
+                    args.nodes)
+    elif args.nodes not in (None, 1):
+        raise ValueError(f"--nodes {args.nodes} needs one torchrun agent per node (README, "
+                         f"\"More than one node\"); --world N runs every rank on this one")
     if args.resume_world is not None and args.world is not None \
             and args.resume_world != args.world:
         raise ValueError("--resume-world and --world disagree; give one of them")
@@ -168,7 +186,8 @@ def _config(args) -> TrainConfig:
                        save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
                        resume=args.resume, export_path=args.export,
                        model_config=dict(args.model_config) or None,
-                       trust_checkpoint=args.trust_checkpoint)
+                       trust_checkpoint=args.trust_checkpoint,
+                       slow_rank=args.slow_rank, slow_seconds=args.slow_seconds)
 
 
 def _main(args) -> int:
@@ -186,6 +205,7 @@ def _main(args) -> int:
           f"{config.optimizer}, {config.steps} steps of {config.batch_size} x "
           f"{config.seq_len} tokens")
     print(summary_table(reports))
+    print("\n" + whereabouts_lines(reports))
     if args.json:
         Path(args.json).write_text(json.dumps(report_to_json(config, reports), indent=1))
         print(f"report written to {args.json}")

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from shardlab.launch import Whereabouts
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -80,6 +82,12 @@ class RunReport:
     checkpoint_load_seconds: float | None = None
     # where the tracked step first held more than TrainConfig.memory_limit (None: never)
     memory_limit_crossing: str | None = None
+    # where the rank ran: its node (torchrun's GROUP_RANK; 0 under the launcher), the
+    # host, and its rank among the `local_world` ranks of that node
+    node: int = 0
+    host: str = ""
+    local_rank: int = 0
+    local_world: int = 1
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:
@@ -369,6 +377,13 @@ def summary_table(reports: list[RunReport]) -> str:
     return "\n".join(lines)
 
 
+def whereabouts_lines(reports: list[RunReport]) -> str:
+    """One line per rank: the node and host it ran on, and its local rank there."""
+    return "\n".join(f"rank {r.rank}: "
+                     f"{Whereabouts(r.node, r.host, r.local_rank, r.local_world)}"
+                     for r in reports)
+
+
 def _plain(value):
     """JSON has no NaN, dtype or tuple: None, a string, a list."""
     if isinstance(value, float) and math.isnan(value):
@@ -391,7 +406,8 @@ def report_to_json(config: Any, reports: list[RunReport]) -> dict:
     steps = step_metrics(reports)
     return {"config": _plain({**config.__dict__}),
             "ranks": [{"rank": r.rank, "world": r.world, "strategy": r.strategy,
-                       "placement": r.placement,
+                       "placement": r.placement, "node": r.node, "host": r.host,
+                       "local_rank": r.local_rank, "local_world": r.local_world,
                        "psi": r.psi, "losses": r.losses, "state_bytes": r.state_bytes,
                        "peak": r.peak, "step_times": r.step_times,
                        "metrics": _plain(m), "steps": _plain(s),

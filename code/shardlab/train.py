@@ -41,7 +41,8 @@ from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
-                             rank_device, reaped_with_launches, under_torchrun)
+                             rank_device, reaped_with_launches, under_torchrun,
+                             whereabouts)
 from shardlab.measure import state_bytes, track_peak
 from shardlab.clock import StepClock
 from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
@@ -196,13 +197,16 @@ def train_worker(config: TrainConfig, progress: str | None = None,
         params = {k: v.detach().cpu().clone() for k, v in full().items()}
     if config.export_path:
         checkpoint.export_full_state_dict(wrapped, config.export_path)
+    here = whereabouts(rank, world)
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
                      params, psi, first_step, placement(),
                      tokens_per_step=config.batch_size // world * config.seq_len,
                      step_starts=step_starts, phases=phases, clock_offset=offset,
                      checkpoint_save_seconds=saves, checkpoint_load_seconds=load_seconds,
-                     memory_limit_crossing=None if crossing is None else str(crossing))
+                     memory_limit_crossing=None if crossing is None else str(crossing),
+                     node=here.node, host=here.host, local_rank=here.local_rank,
+                     local_world=here.local_world)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:

@@ -16,6 +16,8 @@ A file per part:
     hygiene.py   no process outlives a launch: stopping ranks, the reaper, the watchdog,
                  SIGTERM, the run folders of dead launches
     blame.py     which rank ended a launch: the one that died, not the peers it broke
+    torchrun.py  under torchrun (one agent per node): each rank's node and local rank, the
+                 world checked against torchrun's, the node that died named by the others
     errors.py    `LaunchError`, `RankFailed`, `LaunchTimeout`
 """
 
@@ -25,10 +27,12 @@ from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
 from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, reaped_with_launches,
                                      reclaim_run_dirs)
 from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
-                                      launch, under_torchrun)
+                                      launch)
+from shardlab.launch.torchrun import Whereabouts, check_world, under_torchrun, whereabouts
 
 __all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_placement",
            "resolve_backend", "visible_gpus", "Placement", "BACKENDS", "DEVICES",
            "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
            "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
-           "RUN_DIR_PREFIX", "reaped_with_launches"]
+           "RUN_DIR_PREFIX", "reaped_with_launches", "Whereabouts", "whereabouts",
+           "check_world"]

@@ -30,7 +30,8 @@ What `launch` promises, because a stuck or half-dead job is the worst thing a la
   notebook's stored output is the same on every run.
 
 Under `torchrun` there is nothing to spawn: `launch` runs the function in this process
-with the environment's rank and world size, and returns every rank's value (gathered).
+with the environment's rank and world size, and returns every rank's value (gathered);
+`torchrun` holds what that takes (where each rank runs, the node that died named).
 """
 
 
@@ -60,6 +61,7 @@ from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_wit
                                      dismiss_reaper, reclaim_run_dirs, start_reaper,
                                      stop_ranks, tell_reaper, terminate_as_exit)
 from shardlab.launch.starter import rank_context
+from shardlab.launch.torchrun import run_in_this_process, under_torchrun
 
 
 DEFAULT_TIMEOUT = 300.0
@@ -127,34 +129,6 @@ def _check_threads(threads: Any) -> int:
         raise ValueError(f"threads must be a whole number >= 1 (intra-op threads per rank), "
                          f"got {threads!r}")
     return threads
-
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
-
-
-def _run_in_this_process(fn, world, args, kwargs, backend, device):
-    env_world = int(os.environ["WORLD_SIZE"])
-    if world is not None and world != env_world:
-        raise LaunchError(f"launched with world={world} under torchrun, whose WORLD_SIZE is "
-                          f"{env_world}; pass world=None or the same number")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    placement = choose_placement(backend, device,
-                                 int(os.environ.get("LOCAL_WORLD_SIZE", env_world)),
-                                 visible_gpus(), dist.is_nccl_available())
-    created = not dist.is_initialized()
-    if created:
-        place_this_rank(local_rank, placement)
-        dist.init_process_group(placement.backend, init_method="env://")
-    try:
-        result = fn(*args, **kwargs)
-        gathered: list[Any] = [None] * env_world
-        dist.all_gather_object(gathered, result)
-        return gathered
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: dict,
@@ -231,13 +205,13 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     prefix: prefix each printed line with its rank ("[rank 2] ...").
     """
     check_importable(fn)
-    if under_torchrun():
-        return _run_in_this_process(fn, world, args, kwargs, backend, device)
-    world = _check_world(world)
-    threads = _check_threads(threads)
     if timeout is None or isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if under_torchrun():
+        return run_in_this_process(fn, world, args, kwargs, backend, device, timeout)
+    world = _check_world(world)
+    threads = _check_threads(threads)
     where = choose_placement(backend, device, world, visible_gpus(), dist.is_nccl_available())
     check_main_guard()
     payload = carry.pack(fn, args, kwargs)

@@ -1,0 +1,149 @@
+"""Two nodes on one machine: two torchrun agents (`--nnodes=2`, `--node-rank` 0 and 1,
+static rendezvous on 127.0.0.1), two ranks each, running `python -m shardlab train`.
+
+What holds across nodes: the losses equal the launcher's on 4 ranks, step for step, for
+DDP, ZeRO-2, ZeRO-3 and FSDP2; every rank reports its node and local rank; a node killed
+mid-run ends the other one, which names the dead node; a node count that disagrees with
+torchrun's and a rendezvous nobody answers are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.train import TrainConfig, train_many
+from shardlab.launch import launch
+
+HERE = Path(__file__).parent
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2")
+COMMON = ["--model", "gpt-tiny", "--steps", "3", "--no-memory"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(node: int, port: int, *command: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+            f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={port}", *command]
+
+
+def environment() -> dict:
+    code = str(HERE.parent / "code")
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": code + (os.pathsep + path if path else "")}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """What a node's death does to its processes: the agent and every rank, SIGKILL."""
+    for pid in [agent.pid, *descendants(agent.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Nodes:
+    """Two agents started at once; whatever happens, none of their processes outlives
+    the test."""
+
+    def __init__(self, *command: str, cwd: Path):
+        port = free_port()
+        self.agents = [subprocess.Popen(torchrun(node, port, *command), cwd=cwd,
+                                        env=environment(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+                       for node in (0, 1)]
+        self.out = [bytearray(), bytearray()]
+        self.err = [bytearray(), bytearray()]
+        self.readers = [threading.Thread(target=self._read, args=(stream, into), daemon=True)
+                        for agent, out, err in zip(self.agents, self.out, self.err)
+                        for stream, into in ((agent.stdout, out), (agent.stderr, err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: bytearray) -> None:
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            into.extend(chunk)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for agent in self.agents:
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [agent.poll() for agent in self.agents]
+
+    def text(self, node: int) -> str:
+        return (self.out[node] + self.err[node]).decode(errors="replace")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for agent in self.agents:
+            kill_node(agent)
+            agent.wait()
+        for reader in self.readers:
+            reader.join(5)
+
+
+def test_two_nodes_train_as_four_ranks_do(tmp_path):
+    reports = [tmp_path / f"{s}.json" for s in STRATEGIES]
+    runs = []
+    for strategy, report in zip(STRATEGIES, reports):
+        runs += ["--next"] * bool(runs) + ["--strategy", strategy, *COMMON,
+                                           "--no-progress", "--nodes", "2",
+                                           "--json", str(report)]
+    with Nodes(str(HERE / "two_node_runs.py"), *runs, cwd=tmp_path) as nodes:
+        # the reference meanwhile: the launcher's 4 ranks on this machine, one launch
+        expected = launch(train_many, 4, [TrainConfig(strategy=s, world=4, model="gpt-tiny",
+                                                      steps=3, measure_memory=False)
+                                          for s in STRATEGIES])[0]
+        codes = nodes.wait(240)
+        assert codes == [0, 0], nodes.text(0)[-3000:] + nodes.text(1)[-3000:]
+    host = socket.gethostname()
+    for strategy, report, reference in zip(STRATEGIES, reports, expected):
+        ranks = json.loads(report.read_text())["ranks"]
+        assert [r["losses"] for r in ranks] == [reference.losses] * 4, strategy
+        assert [(r["rank"], r["node"], r["local_rank"], r["local_world"], r["host"])
+                for r in ranks] == [(0, 0, 0, 2, host), (1, 0, 1, 2, host),
+                                    (2, 1, 0, 2, host), (3, 1, 1, 2, host)], strategy
+    # rank 0 (node 0) prints each run's table and where every rank ran; node 1 prints none
+    printed = nodes.text(0)
+    assert printed.count("on 4 rank(s)") == len(STRATEGIES)
+    assert printed.count(f"rank 3: node 1 ({host}), local rank 1 of 2") == len(STRATEGIES)
+    assert "on 4 rank(s)" not in nodes.text(1)
