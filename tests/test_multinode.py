@@ -147,3 +147,30 @@ def test_two_nodes_train_as_four_ranks_do(tmp_path):
     assert printed.count("on 4 rank(s)") == len(STRATEGIES)
     assert printed.count(f"rank 3: node 1 ({host}), local rank 1 of 2") == len(STRATEGIES)
     assert "on 4 rank(s)" not in nodes.text(1)
+
+
+def test_a_node_killed_mid_run_ends_the_other_which_names_it(tmp_path):
+    # rank 0 sleeps before every forward, so the run lasts long enough to be cut after
+    # its first step; rank 0's progress bar (node 0's stderr) says when a step is done
+    steps = 40
+    with Nodes("-m", "shardlab", "train", "--strategy", "ddp", "--model", "gpt-tiny",
+               "--steps", str(steps), "--no-memory", "--slow-rank", "0",
+               "--slow-seconds", "0.5", cwd=tmp_path) as nodes:
+        deadline = time.monotonic() + 180
+        while not re.search(rf"\b[1-9]\d*/{steps}\b", nodes.err[0].decode(errors="replace")):
+            assert time.monotonic() < deadline and nodes.agents[0].poll() is None, \
+                nodes.text(0)[-3000:]
+            time.sleep(0.1)
+        killed = time.monotonic()
+        kill_node(nodes.agents[1])
+        codes = nodes.wait(60)
+        ended = time.monotonic() - killed
+        survivor = nodes.text(0)
+        assert codes[0] not in (None, 0), survivor[-3000:]
+    # one line from node 0 (its local rank 0) names node 1, its host and its ranks
+    lines = [l for l in survivor.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: node 1 ({socket.gethostname()}: every rank of 2, 3) stopped answering"), \
+        survivor[-3000:]
+    assert ended < 60
+    assert not [pid for agent in nodes.agents for pid in descendants(agent.pid)]

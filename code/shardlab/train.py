@@ -59,6 +59,16 @@ def _ledger_or_nothing(enabled: bool) -> Ledger | None:
     return Ledger() if enabled else None
 
 
+@contextlib.contextmanager
+def _on_the_way_out(action):
+    """Run `action` when the block ends, also by an error: a progress bar then ends its
+    line, and the error is printed on a line of its own."""
+    try:
+        yield
+    finally:
+        action()
+
+
 def _progress_reporter(progress: str | None, steps: int):
     """rank 0's progress: a live tqdm bar ("tqdm"), or lines appended to a file that the
     launching process reads to draw the bar (ranks' own output only comes back at the
@@ -120,7 +130,8 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     tracked = watched = None
     recorder = FlightRecorder(flight) if flight else None
     with ledger if ledger is not None else contextlib.nullcontext(), \
-            recorder if recorder is not None else contextlib.nullcontext():
+            recorder if recorder is not None else contextlib.nullcontext(), \
+            _on_the_way_out(close_progress):
         for step in range(first_step, config.steps):
             if step == config.crash_at_step and rank == config.crash_rank:
                 raise RuntimeError(f"rank {rank} crashed at step {step} (crash_at_step)")
@@ -179,7 +190,6 @@ def train_worker(config: TrainConfig, progress: str | None = None,
         crossing = watched.crossing if watched is not None else None
         if crossing is not None:
             crossing.step = config.steps - 1
-    close_progress()
     # The global-batch loss: the mean of the ranks' means (equal row counts). Gathered
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
     # and nothing else; and summed here in rank order, not by an all-reduce, whose order

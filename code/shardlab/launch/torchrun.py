@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import sys
 import threading
@@ -161,7 +162,11 @@ class Heartbeat:
     def name_the_dead(self, exc: BaseException) -> str:
         """One line naming the node(s) whose ranks stopped beating, and what this rank
         saw (its collective's error)."""
-        seen = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else repr(exc)
+        # gloo's "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:949. This is
+        # typically caused by ...": its first sentence, without the source location
+        text = str(exc).strip()
+        seen = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[-1]).split(". ")[0] \
+            if text else repr(exc)
         host, port = self.endpoint
         try:
             store = self._connect()
