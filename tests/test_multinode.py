@@ -174,3 +174,48 @@ def test_a_node_killed_mid_run_ends_the_other_which_names_it(tmp_path):
         survivor[-3000:]
     assert ended < 60
     assert not [pid for agent in nodes.agents for pid in descendants(agent.pid)]
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--world", "4"], "world 4 asked, but torchrun started 2 ranks (WORLD_SIZE=2"),
+    (["--nodes", "3"], "3 node(s) asked, but torchrun's rendezvous has 2 (GROUP_WORLD_SIZE=2"),
+])
+def test_numbers_that_disagree_with_torchruns_are_refused_in_one_line(
+        flags, said, monkeypatch, capsys):
+    # torchrun's environment for rank 0 of 2 nodes, one rank each; nothing listens on
+    # MASTER_PORT: the refusal comes before any process group is made
+    import torch.distributed as dist
+    from shardlab.cli import main
+    for key, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--strategy", "ddp", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: " + said), err
+    assert not dist.is_initialized()
+
+
+def test_nodes_without_torchrun_are_refused(capsys):
+    from shardlab.cli import main
+    assert main(["--strategy", "ddp", "--world", "2", "--nodes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --nodes 2 needs one torchrun agent per node"), err
+
+
+def test_a_rendezvous_nobody_answers_is_named_after_the_timeout(capsys):
+    from shardlab.__main__ import main
+    port = free_port()  # closed: nobody listens there
+    assert main(["rendezvous", f"127.0.0.1:{port}", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: nobody answers at 127.0.0.1:{port} after 1 s (Connection refused)"), err
+    with socket.socket() as listening:  # once node 0's agent listens, it returns at once
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert main(["rendezvous", f"127.0.0.1:{listening.getsockname()[1]}"]) == 0
+    assert main(["rendezvous", "nowhere"]) == 2
+    assert "must be HOST:PORT" in capsys.readouterr().err
