@@ -128,13 +128,20 @@ def test_two_nodes_train_as_four_ranks_do(tmp_path):
         runs += ["--next"] * bool(runs) + ["--strategy", strategy, *COMMON,
                                            "--no-progress", "--nodes", "2",
                                            "--json", str(report)]
+    # then a run that asks for 3 nodes: refused on every rank, said once on each node
+    runs += ["--next", "--strategy", "ddp", *COMMON, "--nodes", "3"]
     with Nodes(str(HERE / "two_node_runs.py"), *runs, cwd=tmp_path) as nodes:
         # the reference meanwhile: the launcher's 4 ranks on this machine, one launch
         expected = launch(train_many, 4, [TrainConfig(strategy=s, world=4, model="gpt-tiny",
                                                       steps=3, measure_memory=False)
                                           for s in STRATEGIES])[0]
         codes = nodes.wait(240)
-        assert codes == [0, 0], nodes.text(0)[-3000:] + nodes.text(1)[-3000:]
+    for node in (0, 1):
+        said = [l for l in nodes.text(node).splitlines() if l.startswith("error: ")]
+        assert said == ["error: 3 node(s) asked, but torchrun's rendezvous has 2 "
+                        "(GROUP_WORLD_SIZE=2, its --nnodes): give 2 node(s), or start "
+                        "torchrun with --nnodes=3"], nodes.text(node)[-3000:]
+    assert codes == [1, 1]  # torchrun's exit when a rank failed
     host = socket.gethostname()
     for strategy, report, reference in zip(STRATEGIES, reports, expected):
         ranks = json.loads(report.read_text())["ranks"]

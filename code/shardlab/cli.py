@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.launch import (BACKENDS, DEVICES, LaunchError, RankFailed, check_world,
-                             under_torchrun)
+                             first_to_say, under_torchrun)
 from shardlab.models import MODEL_NAMES, build_model
 from shardlab.report import report_to_json, summary_table, whereabouts_lines
 from shardlab.strategy import OPTIMIZERS, STRATEGIES
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(build_parser().parse_args(argv))
     except (ValueError, LaunchError) as exc:
-        if under_torchrun() and os.environ["LOCAL_RANK"] != "0":
-            return 2  # every rank has the same line to say: one per node says it
+        if under_torchrun() and not first_to_say():
+            return 2  # every rank has the same line to say: the first of each node says it
         message = (exc.rank_traceback.strip().splitlines()[-1]
                    if isinstance(exc, RankFailed) else str(exc))
         print(f"error: {in_flags(message)}", file=sys.stderr)

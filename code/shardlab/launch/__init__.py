@@ -28,11 +28,12 @@ from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, reaped_with_launches
                                      reclaim_run_dirs)
 from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
                                       launch)
-from shardlab.launch.torchrun import Whereabouts, check_world, under_torchrun, whereabouts
+from shardlab.launch.torchrun import (Whereabouts, check_world, first_to_say, under_torchrun,
+                                      whereabouts)
 
 __all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_placement",
            "resolve_backend", "visible_gpus", "Placement", "BACKENDS", "DEVICES",
            "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
            "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
            "RUN_DIR_PREFIX", "reaped_with_launches", "Whereabouts", "whereabouts",
-           "check_world"]
+           "check_world", "first_to_say"]

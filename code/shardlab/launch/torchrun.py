@@ -126,6 +126,24 @@ def run_in_this_process(fn: Callable, world: int | None, args: tuple, kwargs: di
             dist.destroy_process_group()
 
 
+def first_to_say() -> bool:
+    """Whether this rank is the first of its node to report the run's failure: every
+    rank of a node meets the same one (a bad flag, a dead peer), and the first to fail
+    may be stopped by the agent before the rest reach their line, so the first speaks,
+    not a rank chosen in advance. Claimed in torchrun's store; if that no longer
+    answers, every rank speaks (twice is better than never)."""
+    key = (f"shardlab/said/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+           f"{os.environ.get('GROUP_RANK', '0')}")
+    rank = os.environ["RANK"]
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=2))
+        return store.compare_set(key, "", rank).decode() == rank
+    except Exception:  # noqa: BLE001 - no store: say it
+        return True
+
+
 class Heartbeat:
     """This rank's beat in torchrun's store, and the verdict on who stopped beating."""
 
