@@ -104,8 +104,13 @@ def one_node_slurm(folder: Path, timeout: float = 60.0):
         _wait_for(lambda: _node_idle(env, host), timeout, "the node to be idle", folder)
         yield env
     finally:
-        # a job step's slurmstepd reports to the daemons before it ends: let it, then
-        # stop the daemons, then anything of this cluster still running
+        # a job still running (the test failed) is cancelled; a job step's slurmstepd
+        # reports to the daemons before it ends: let it, then stop the daemons, then
+        # anything of this cluster still running, with what it started
+        if len(started) > 1 and started[1].poll() is None:  # slurmctld answers
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(["scancel", "--user=root"], env=env, capture_output=True,
+                               timeout=30)
         _wait_for(lambda: not _holding(folder, started), 15, None, folder)
         for process in reversed(started):
             process.terminate()
@@ -116,22 +121,38 @@ def one_node_slurm(folder: Path, timeout: float = 60.0):
                 process.kill()
                 process.wait()
         logs.close()
-        for pid in _holding(folder):
+        for pid in _with_descendants(_holding(folder)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
 
-def _holding(folder: Path, daemons: list[subprocess.Popen] = ()) -> list[int]:
-    """Processes with a file of `folder` open, other than this one and the `daemons`
-    and their children: slurmstepd's (they write slurmd's log) and their jobs'."""
+def _parents() -> dict[int, int]:
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
+    return parents
+
+
+def _with_descendants(pids: list[int]) -> list[int]:
+    parents = _parents()
+    found, todo = list(pids), list(pids)
+    while todo:
+        pid = todo.pop()
+        children = [c for c, p in parents.items() if p == pid]
+        found += children
+        todo += children
+    return found
+
+
+def _holding(folder: Path, daemons: list[subprocess.Popen] = ()) -> list[int]:
+    """Processes with a file of `folder` open, other than this one and the `daemons`
+    and their children: slurmstepd's (they write slurmd's log)."""
+    parents = _parents()
     ours = {os.getpid(), *(d.pid for d in daemons)}
     found = []
     for pid, parent in parents.items():

@@ -183,26 +183,32 @@ def test_a_node_killed_mid_run_ends_the_other_which_names_it(tmp_path):
     assert not [pid for agent in nodes.agents for pid in descendants(agent.pid)]
 
 
-TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
-                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": "1"}
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
 
 @pytest.mark.parametrize("flags, said", [
     (["--world", "4"], "world 4 asked, but torchrun started 2 ranks (WORLD_SIZE=2"),
-    (["--nodes", "3"], "3 node(s) asked, but torchrun's rendezvous has 2 (GROUP_WORLD_SIZE=2"),
+    (["--nodes", "2"], "2 node(s) asked, but torchrun's rendezvous has 1 (GROUP_WORLD_SIZE=1"),
 ])
 def test_numbers_that_disagree_with_torchruns_are_refused_in_one_line(
         flags, said, monkeypatch, capsys):
-    # torchrun's environment for rank 0 of 2 nodes, one rank each; nothing listens on
-    # MASTER_PORT: the refusal comes before any process group is made
+    # torchrun's environment for the 2 ranks of one node, its store standing in for the
+    # agent's: the refusal comes before any process group is made, said by the first
+    # rank of the node to reach it
     import torch.distributed as dist
     from shardlab.cli import main
-    for key, value in TORCHRUN_ENV.items():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in {**TORCHRUN_ENV, "MASTER_PORT": str(store.port)}.items():
         monkeypatch.setenv(key, value)
-    assert main(["--strategy", "ddp", "--steps", "1", *flags]) == 2
+    argv = ["--strategy", "ddp", "--steps", "1", *flags]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: " + said), err
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ""  # said once on the node
     assert not dist.is_initialized()
 
 

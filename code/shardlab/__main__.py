@@ -8,8 +8,8 @@ import sys
 COMMANDS = {
     "memory": ("shardlab.memory", "per-rank memory of every ZeRO stage, and what fits"),
     "train": ("shardlab.cli", "train a small GPT with any strategy (launcher or torchrun)"),
-    "rendezvous": ("shardlab.launch.torchrun", "wait until node 0's torchrun answers at "
-                                               "HOST:PORT (run on the other nodes first)"),
+    "rendezvous": ("shardlab.rendezvous", "wait until node 0's torchrun answers at "
+                                         "HOST:PORT (run on the other nodes first)"),
 }
 
 

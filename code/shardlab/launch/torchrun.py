@@ -27,7 +27,6 @@ import datetime
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -217,42 +216,3 @@ class Heartbeat:
             pass
         return verdict
 
-
-def wait_for_rendezvous(endpoint: str, timeout: float) -> None:
-    """Wait until torchrun's rendezvous at `endpoint` ("host:port", node 0's agent)
-    accepts a connection; raise `LaunchError` naming it after `timeout` seconds. Run on
-    every node but node 0 before its torchrun, whose own wait ends in a traceback."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise LaunchError(f"the rendezvous endpoint must be HOST:PORT (node 0's "
-                          f"--master-addr:--master-port), got {endpoint!r}")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=2):
-                return
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-        if time.monotonic() >= deadline:
-            raise LaunchError(f"nobody answers at {host}:{port} after {timeout:g} s ({why}): "
-                              f"start node 0's torchrun, and give every node its "
-                              f"--master-addr and --master-port (a firewall between the "
-                              f"nodes?)")
-        time.sleep(0.5)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m shardlab rendezvous HOST:PORT [--timeout S]`: exit 0 once node 0's
-    torchrun answers there, or 2 with one line naming the endpoint."""
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m shardlab rendezvous",
-                                description="Wait until torchrun's rendezvous answers.")
-    p.add_argument("endpoint", metavar="HOST:PORT")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S")
-    args = p.parse_args(argv)
-    try:
-        wait_for_rendezvous(args.endpoint, args.timeout)
-    except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
