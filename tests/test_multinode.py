@@ -66,6 +66,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def running_in(folder: Path) -> list[int]:
+    """Processes whose working directory is `folder`: the agents and ranks of a test."""
+    found = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)) == folder:
+                found.append(int(cwd.parent.name))
+        except OSError:
+            continue
+    return found
+
+
 def kill_node(agent: subprocess.Popen) -> None:
     """What a node's death does to its processes: the agent and every rank, SIGKILL."""
     for pid in [agent.pid, *descendants(agent.pid)]:
@@ -142,6 +154,7 @@ def test_two_nodes_train_as_four_ranks_do(tmp_path):
                         "(GROUP_WORLD_SIZE=2, its --nnodes): give 2 node(s), or start "
                         "torchrun with --nnodes=3"], nodes.text(node)[-3000:]
     assert codes == [1, 1]  # torchrun's exit when a rank failed
+    assert running_in(tmp_path) == []
     host = socket.gethostname()
     for strategy, report, reference in zip(STRATEGIES, reports, expected):
         ranks = json.loads(report.read_text())["ranks"]
@@ -180,7 +193,7 @@ def test_a_node_killed_mid_run_ends_the_other_which_names_it(tmp_path):
         f"error: node 1 ({socket.gethostname()}: every rank of 2, 3) stopped answering"), \
         survivor[-3000:]
     assert ended < 60
-    assert not [pid for agent in nodes.agents for pid in descendants(agent.pid)]
+    assert running_in(tmp_path) == []  # no agent or rank of either node is left
 
 
 TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cluster import one_node_slurm, why_not
+from test_multinode import running_in
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tools" / "slurm" / "train.sbatch"
@@ -40,6 +41,7 @@ def test_the_readme_slurm_script_trains_on_two_nodes(tmp_path):
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
         printed = output.read_text() if output.exists() else ""
         assert done.returncode == 0, done.stderr + printed[-3000:]
+    assert running_in(tmp_path) == []  # the job's processes ended with it
     host = socket.gethostname()
     assert "zero3 on 2 rank(s)" in printed
     assert f"rank 0: node 0 ({host}), local rank 0 of 1" in printed
