@@ -295,3 +295,33 @@ def run_all(calls: list[tuple]) -> list:
     a page that needs several runs asks for them together.
     """
     return [function(*args) for function, args in calls]
+
+
+# ----------------------------------------------------------------------------- step time
+
+MACHINE_SIZES = [4_096, 65_536, 1_048_576, 4_194_304]  # bytes, for the α-β fit
+
+
+def measure_machine(models: dict[str, tuple[str, dict | None]], tokens: int = 128,
+                    repeats: int = 3) -> dict:
+    """Run on every rank: this machine as the step-time model sees it, one
+    `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
+    figure measured with all ranks working at once: the matmul rate on the model's shapes
+    with `tokens` rows, AdamW's seconds per parameter, how much of an all-reduce compute
+    hides, and α and β fitted to all-reduces and all-gathers."""
+    from dataclasses import replace
+
+    from shardlab.models import build_model
+    from shardlab.steptime import Machine, adam_seconds, hiding_fraction, matmul_rate
+    rates = {}
+    for label, (name, config) in models.items():
+        dist.barrier()
+        rates[label] = matmul_rate(build_model(name, 0, config), tokens, repeats=repeats)
+    dist.barrier()
+    adam = adam_seconds(repeats=repeats)
+    hiding = hiding_fraction(repeats=repeats)
+    records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats)
+    alpha, beta = comm.fit_alpha_beta(records)
+    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam, hiding=hiding,
+                      gloo=dist.get_backend() == "gloo")
+    return {label: replace(machine, flops=rate) for label, rate in rates.items()}

@@ -48,6 +48,7 @@ from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_r
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
+from shardlab.steptime import matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
 
 # ----------------------------------------------------------------------------- the loop
@@ -99,6 +100,9 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     torch.manual_seed(config.seed)
     model = build_model(config.model, config.seed, config.model_config).to(device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tokens = config.batch_size // world * config.seq_len  # this rank's, all micro-batches
+    # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
+    rate = matmul_rate(model, tokens // config.grad_accum, device=device)
     precision = get_precision(config.precision)
     if config.recompute:  # before wrapping: a strategy's hooks then run inside it
         recompute_units(model)
@@ -199,10 +203,11 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
                      params, psi, first_step, placement(),
-                     tokens_per_step=config.batch_size // world * config.seq_len,
+                     tokens_per_step=tokens,
                      step_starts=step_starts, phases=phases, clock_offset=offset,
                      checkpoint_save_seconds=saves, checkpoint_load_seconds=load_seconds,
-                     memory_limit_crossing=None if crossing is None else str(crossing))
+                     memory_limit_crossing=None if crossing is None else str(crossing),
+                     model_flops_per_step=6 * psi * tokens, matmul_flops=rate)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
