@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="resume from a checkpoint shardlab did not write (PyTorch's own "
                         "dcp.save): it has no manifest to verify")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="write a torch.profiler trace of one steady step into DIR, one "
+                        "Chrome/Perfetto file per rank (open in ui.perfetto.dev)")
     p.add_argument("--export", metavar="PATH",
                    help="after training, write the full unsharded state dict (torch.save)")
     return p
@@ -168,7 +171,7 @@ def _config(args) -> TrainConfig:
                        save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
                        resume=args.resume, export_path=args.export,
                        model_config=dict(args.model_config) or None,
-                       trust_checkpoint=args.trust_checkpoint)
+                       trust_checkpoint=args.trust_checkpoint, profile_dir=args.profile)
 
 
 def _main(args) -> int:

@@ -135,8 +135,11 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      if tracking and config.memory_limit is not None
                      else contextlib.nullcontext())
             clock = StepClock()
+            profiler = (_profiler(device) if config.profile_dir is not None
+                        and step == max(first_step, config.steps - 2)
+                        else contextlib.nullcontext())
             start = time.perf_counter()
-            with watch as watched, tracker as tracked:
+            with profiler as profiled, watch as watched, tracker as tracked:
                 if delay:
                     with clock.phase("injected delay"):
                         straggle(delay)
@@ -163,6 +166,9 @@ def train_worker(config: TrainConfig, progress: str | None = None,
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
+            if profiled is not None:
+                Path(config.profile_dir).mkdir(parents=True, exist_ok=True)
+                profiled.export_chrome_trace(str(Path(config.profile_dir) / f"rank{rank}.json"))
             step_starts.append(start)
             phases.append(clock.spans)
             if config.save_every and (step + 1) % config.save_every == 0:
@@ -208,6 +214,16 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      checkpoint_save_seconds=saves, checkpoint_load_seconds=load_seconds,
                      memory_limit_crossing=None if crossing is None else str(crossing),
                      model_flops_per_step=6 * psi * tokens, matmul_flops=rate)
+
+
+def _profiler(device: torch.device):
+    """torch.profiler over one step: the CPU's ops (and the GPU's kernels on CUDA), the
+    loop's phases as named ranges (`StepClock` marks them), exported as a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
