@@ -2,7 +2,9 @@
 what of the communication the strategy's schedule leaves exposed.
 
     compute         forward 2ΨT/F, backward 4ΨT/F (6ΨT for the step), T tokens per rank,
-                    F the matmul rate measured on this machine with all ranks running;
+                    F the rate this machine reaches on the model's own forward and
+                    backward with all ranks running (`compute_rate`; the matmul rate
+                    `matmul_rate` is the ceiling, MFU's denominator);
                     the optimizer step: the parameters this rank steps x AdamW's
                     measured seconds per parameter (Ψ for DDP, Ψ/N once sharded)
     communication   each collective, kind and size as the ledger records them, by the
@@ -17,7 +19,7 @@ and `hiding`, measured by `hiding_fraction`, is the share of an overlapped colle
 time that does not come back as slower compute.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
-`Machine` holds what it needs of the machine, measured by `matmul_rate`, `adam_seconds`,
+`Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
 `hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.demo.measure_machine` runs them on
 every rank).
 """
@@ -45,7 +47,7 @@ class Machine:
     """What the step-time model needs of a machine, each figure per rank with every rank
     of the run working at once (on a shared CPU a rank gets its share of the cores)."""
 
-    flops: float                   # matmul FLOP/s of one rank, on the model's shapes
+    flops: float                   # 6ΨT FLOP/s of one rank's forward and backward
     alpha: float                   # s per ring round (α-β fit)
     beta: float                    # bytes/s of one ring round (α-β fit)
     adam_seconds: float            # AdamW's seconds per parameter stepped
@@ -305,6 +307,25 @@ def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
             seconds += _median_seconds(synchronized(lambda: x @ w.T), repeats)
             flops += 2 * tokens * n_in * n_out
     return flops / seconds if seconds > 0 else math.inf
+
+
+def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                 repeats: int = 3) -> float:
+    """FLOP/s this process reaches on the model itself, counted as 6ΨT: the median time of
+    a forward and a backward over `x` (T tokens), with no communication. Below the matmul
+    rate by everything that is not a matmul (norms, softmax, the loss, autograd's own work):
+    the rate the step-time model divides 6ΨT by."""
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def forward_backward():
+        loss_fn(model(x), y).backward()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+
+    forward_backward()  # warm-up
+    seconds = _median_seconds(forward_backward, repeats)
+    model.zero_grad(set_to_none=True)
+    return 6 * psi * x.numel() / seconds
 
 
 def adam_seconds(numel: int = 1 << 20, repeats: int = 3) -> float:
