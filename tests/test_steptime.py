@@ -157,3 +157,32 @@ def test_report_mfu_is_model_flops_over_step_over_rate():
     assert m["mfu_pct"] == pytest.approx(100 * 1e9 / 0.5 / 1e10)  # 20 %: the steady median
     assert production_metrics([RunReport(0, 1, "single", [1.0], {}, {}, [], [1.0])])[0][
         "mfu_pct"] is None
+
+
+def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
+    """One launch: every rank's report states MFU and tokens/s (the summary prints them),
+    and --profile's folder holds a Chrome trace per rank with the loop's phases and the
+    collectives of the step."""
+    import json
+
+    from shardlab.report import summary_table
+    from shardlab.train import TrainConfig, run
+    reports = run(TrainConfig(strategy="zero2", world=2, steps=3, measure_memory=False,
+                              profile_dir=str(tmp_path / "traces")))
+    for m in production_metrics(reports):
+        assert m["mfu_pct"] is not None and m["mfu_pct"] > 0
+        assert m["tokens_per_s"] > 0
+    assert "MFU %" in summary_table(reports)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert {"forward", "backward", "optimizer step"} <= names
+        assert any(n.startswith("gloo:") for n in names), sorted(names)[:20]
+
+
+def test_profile_dir_that_is_a_file_is_refused(tmp_path):
+    from shardlab.train import TrainConfig
+    a_file = tmp_path / "trace"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="is a file; give a folder"):
+        TrainConfig(strategy="ddp", world=2, profile_dir=str(a_file)).validate()
