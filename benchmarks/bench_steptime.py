@@ -18,7 +18,9 @@ Where a prediction misses by more than 20%, the line says which term is off most
 compute (predicted 6ΨT/F and the optimizer, against the measured step less its exposed
 communication), exposed communication, or gloo's copies (the α-β time of the collectives,
 fitted on collectives alone, against their measured time in flight inside a step, where
-their copies share the cores with compute).
+their copies share the cores with compute); and how much of a communication term is idle
+time, one rank waiting for another to arrive, which the model (ranks in lockstep) leaves
+out.
 
 Then how cost grows with Ψ and N (bytes sent against 2Ψ(N-1)/N and 3Ψ(N-1)/N, step and
 exposed time), and the tokens per rank above which the model says compute hides the
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from shardlab.demo import measure_machine, run_all
 from shardlab.launch import launch
+from shardlab import viz
 from shardlab.models import build_model
 from shardlab.report import ledger_totals, median_step_time, production_metrics
 from shardlab.steptime import predict_step
@@ -64,6 +67,7 @@ def measured(reports) -> dict:
     return {"step": max(median_step_time(r) for r in reports),
             "exposed": statistics.mean(m["exposed_comm_ms"] for m in metrics) / 1e3,
             "comm": statistics.mean(m["comm_ms"] for m in metrics) / 1e3,
+            "idle": statistics.mean(m["idle_ms"] for m in metrics) / 1e3,
             "sent": ledger_totals(reports[0])["sent_bytes"],
             "mfu": statistics.mean(m["mfu_pct"] for m in metrics)}
 
@@ -83,7 +87,10 @@ def off_term(p: dict, m: dict) -> str:
              "exposed communication": (p["exposed"], m["exposed"]),
              "gloo's copies": (p["comm"], m["comm"])}
     name, (pred, meas) = max(terms.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
-    return f"{name} off: predicted {1e3 * pred:.1f} ms, measured {1e3 * meas:.1f} ms"
+    note = f"{name} off: predicted {1e3 * pred:.1f} ms, measured {1e3 * meas:.1f} ms"
+    if name != "compute" and m.get("idle", 0) > 0.25 * m["exposed"]:
+        # the model has the ranks arrive together; the report's idle time says they did not
+        note += f" ({1e3 * m['idle']:.1f} ms of it idle: ranks arriving apart)"
 
 
 def sweep(world: int, args) -> dict:
@@ -196,28 +203,13 @@ def trace(folder: str, args) -> None:
                                                      args.batch_size, args.seq_len)),
                                   (train_many, (runs,))])
     machine = out[0][0][label]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.3 * len(runs)), squeeze=False)
-    colors = {"forward": "tab:blue", "backward": "tab:green", "optimizer step": "tab:olive",
-              "optimizer": "tab:olive"}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.5 * len(runs)), squeeze=False)
     for ax, config in zip(axes[:, 0], runs):
         step = predict_step(config.strategy, build_model(*MODELS[label]), world, {}, machine,
                             tokens=args.batch_size // world * args.seq_len)
-        for lane, what, a, b in step.timeline():
-            y = 3 if lane == "compute" else 2
-            ax.barh(y, 1e3 * (b - a), left=1e3 * a, height=0.8,
-                    color=colors.get(what, "tab:red"))
-        events = json.loads((Path(config.profile_dir) / "rank0.json").read_text())
-        spans = [e for e in events["traceEvents"] if e.get("ph") == "X"]
-        phases = [e for e in spans if e["name"] in ("forward", "backward", "optimizer step")]
-        collectives = [e for e in spans if e["name"].startswith("gloo:")]
-        t0 = min((e["ts"] for e in phases), default=0)
-        for lane, group in ((1, phases), (0, collectives)):
-            for e in group:
-                ax.barh(lane, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.8,
-                        color=colors.get(e["name"], "tab:red"))
-        ax.set_yticks([0, 1, 2, 3], ["profiled comm", "profiled compute", "predicted comm",
-                                     "predicted compute"], fontsize=7)
-        ax.set_title(config.strategy, fontsize=8, loc="left")
+        viz.predicted_beside_profiled(
+            ax, step.timeline(), viz.profiled_spans(Path(config.profile_dir) / "rank0.json"),
+            title=config.strategy)
     axes[-1, 0].set_xlabel("ms from the step's start (rank 0; red: collectives)")
     plt.tight_layout()
     fig.savefig(Path(folder) / "timelines.png", dpi=120)
