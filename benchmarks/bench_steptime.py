@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "machines": {str(w): m for w, m in machines.items()},
             "median_error": {s: {str(w): e for w, e in ws.items()}
                              for s, ws in errors.items()},
-            "rows": rows}, indent=1) + "\n")
+            "rows": rows, "source": "measured by the command above"}, indent=1) + "\n")
     return 0
 
 

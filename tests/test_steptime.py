@@ -178,6 +178,11 @@ def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
         assert {"forward", "backward", "optimizer step"} <= names
         assert any(n.startswith("gloo:") for n in names), sorted(names)[:20]
+    # what the figure of the predicted step beside the profiled one reads from a trace
+    from shardlab.viz import profiled_spans
+    spans = profiled_spans(tmp_path / "traces" / "rank0.json")
+    assert [w for w, *_ in spans["compute"]] == ["forward", "backward", "optimizer step"]
+    assert spans["compute"][0][1] == 0.0 and spans["communication"]
 
 
 def test_profile_dir_that_is_a_file_is_refused(tmp_path):
