@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -216,14 +217,37 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      model_flops_per_step=6 * psi * tokens, matmul_flops=rate)
 
 
+@contextlib.contextmanager
 def _profiler(device: torch.device):
     """torch.profiler over one step: the CPU's ops (and the GPU's kernels on CUDA), the
-    loop's phases as named ranges (`StepClock` marks them), exported as a Chrome trace."""
+    loop's phases as named ranges (`StepClock` marks them), exported as a Chrome trace.
+    Kineto announces its start and stop on the process's stderr, below Python, at every
+    level of KINETO_LOG_LEVEL: those two moments write to /dev/null instead."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    return profile(activities=activities)
+    profiler = profile(activities=activities)
+    with _stderr_silenced():
+        profiler.start()
+    try:
+        yield profiler
+    finally:
+        with _stderr_silenced():
+            profiler.stop()
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:
