@@ -91,6 +91,7 @@ def off_term(p: dict, m: dict) -> str:
     if name != "compute" and m.get("idle", 0) > 0.25 * m["exposed"]:
         # the model has the ranks arrive together; the report's idle time says they did not
         note += f" ({1e3 * m['idle']:.1f} ms of it idle: ranks arriving apart)"
+    return note
 
 
 def sweep(world: int, args) -> dict:
