@@ -206,7 +206,8 @@ def trace(folder: str, args) -> None:
     machine = out[0][0][label]
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.5 * len(runs)), squeeze=False)
     for ax, config in zip(axes[:, 0], runs):
-        step = predict_step(config.strategy, build_model(*MODELS[label]), world, {}, machine,
+        step = predict_step(config.strategy, build_model(config.model, 0, config.model_config),
+                            world, {}, machine,
                             tokens=args.batch_size // world * args.seq_len)
         viz.predicted_beside_profiled(
             ax, step.timeline(), viz.profiled_spans(Path(config.profile_dir) / "rank0.json"),

@@ -123,11 +123,16 @@ def test_exposed_rules():
     assert exposed_seconds(waited + prefetched, 10.0, 1.0) == 2.5
 
 
-def test_timeline_ends_at_the_predicted_step(model):
-    step = predict_step("zero3", model, WORLD, {}, MACHINE, tokens=TOKENS)
-    compute = [s for s in step.timeline() if s[0] == "compute"]
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_timeline_ends_at_the_predicted_step(model, strategy):
+    step = predict_step(strategy, model, WORLD, {"bucket_mb": 0.1}, MACHINE, tokens=TOKENS)
+    timeline = step.timeline()
+    compute = [s for s in timeline if s[0] == "compute"]
     assert [s[1] for s in compute] == ["forward", "backward", "optimizer"]
     assert compute[-1][3] == pytest.approx(step.step_seconds)
+    # every collective is drawn once, for its predicted time
+    drawn = sorted(b - a for lane, _, a, b in timeline if lane == "communication")
+    assert drawn == pytest.approx(sorted(c.seconds for c in step.collectives))
 
 
 def test_every_schedule_is_a_known_strategy():

@@ -105,6 +105,7 @@ class StepPrediction:
     compute: dict[str, float]
     exposed: dict[str, float]
     collectives: list[Collective] = field(default_factory=list)
+    hiding: float = 1.0   # the machine's, as the prediction used it
 
     @property
     def compute_seconds(self) -> float:
@@ -130,28 +131,32 @@ class StepPrediction:
                    for c in self.collectives)
 
     def timeline(self) -> list[tuple[str, str, float, float]]:
-        """(lane, what, begin s, end s): compute phases laid end to end with their exposed
-        waits, and each phase's collectives one after another from the phase's start
-        (prefetched ones from the end of the previous phase). For a figure."""
+        """(lane, what, begin s, end s), for a figure: per phase, the waited collectives
+        first, then the prefetched ones (compute starts when what they expose is over),
+        the compute, and the produced ones ending when their exposed part after the
+        compute is over."""
         spans, t = [], 0.0
         for phase, compute_name in (("forward", "forward"), ("backward", "backward"),
                                     ("step", "optimizer")):
-            begin = t
             ops = [c for c in self.collectives if c.phase == phase]
-            waited = [c for c in ops if c.how == "waited"]
-            rest = [c for c in ops if c.how != "waited"]
-            # waited collectives run before compute; the rest under it, serially
+            window = self.compute[phase] if phase != "step" else 0.0
             c_t = t
-            for c in waited:
+            for how in ("waited", "prefetched"):
+                for c in (c for c in ops if c.how == how):
+                    spans.append(("communication", c.op, c_t, c_t + c.seconds))
+                    c_t += c.seconds
+            waited = sum(c.seconds for c in ops if c.how == "waited")
+            prefetched = [c for c in ops if c.how == "prefetched"]
+            produced = [c for c in ops if c.how == "produced"]
+            start = t + waited + exposed_seconds(prefetched, window, self.hiding)
+            end = start + self.compute[phase]
+            spans.append(("compute", compute_name, start, end))
+            tail = exposed_seconds(produced, window, self.hiding)
+            c_t = max(start, end + tail - sum(c.seconds for c in produced))
+            for c in produced:
                 spans.append(("communication", c.op, c_t, c_t + c.seconds))
                 c_t += c.seconds
-            t = begin + self.exposed[phase]
-            spans.append(("compute", compute_name, t, t + self.compute[phase]))
-            c_t = max(c_t, begin)
-            for c in rest:
-                spans.append(("communication", c.op, c_t, c_t + c.seconds))
-                c_t += c.seconds
-            t += self.compute[phase]
+            t = end + tail
         return spans
 
 
@@ -266,7 +271,8 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
                                       compute[phase] if phase != "step" else 0.0,
                                       machine.hiding)
                for phase in compute}
-    return StepPrediction(strategy, world, tokens, compute, exposed, collectives)
+    return StepPrediction(strategy, world, tokens, compute, exposed, collectives,
+                          machine.hiding)
 
 
 # ----------------------------------------------------------------------------- measuring
