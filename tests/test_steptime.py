@@ -196,3 +196,6 @@ def test_profile_dir_that_is_a_file_is_refused(tmp_path):
     a_file.write_text("")
     with pytest.raises(ValueError, match="is a file; give a folder"):
         TrainConfig(strategy="ddp", world=2, profile_dir=str(a_file)).validate()
+    # from the command line: one line naming the flag, exit code 2, before any rank starts
+    from shardlab.cli import main
+    assert main(["--strategy", "ddp", "--world", "2", "--profile", str(a_file)]) == 2

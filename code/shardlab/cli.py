@@ -111,6 +111,7 @@ _FLAG_WORDS = [
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
      r"trust_checkpoint|resume_world)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
     (r"\bexport_path\b", "--export"),
+    (r"\bprofile_dir\b", "--profile"),
     (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),
 ]
 
