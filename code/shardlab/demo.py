@@ -328,8 +328,8 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
         model = build_model(name, 0, config).to(device)
         rates[label] = compute_rate(model, x, y, loss_fn, repeats=repeats)
     dist.barrier()
-    adam = adam_seconds(repeats=repeats)
-    hiding = hiding_fraction(repeats=repeats)
+    adam = adam_seconds(repeats=repeats, device=device)
+    hiding = hiding_fraction(repeats=repeats, device=device)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)

@@ -334,40 +334,62 @@ def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
     return 6 * psi * x.numel() / seconds
 
 
-def adam_seconds(numel: int = 1 << 20, repeats: int = 3) -> float:
+def adam_seconds(numel: int = 1 << 20, repeats: int = 3,
+                 device: torch.device | str = "cpu") -> float:
     """AdamW's seconds per parameter: the median of `repeats` steps on one flat tensor."""
-    p = nn.Parameter(torch.zeros(numel))
-    p.grad = torch.ones(numel)
+    device = torch.device(device)
+    p = nn.Parameter(torch.zeros(numel, device=device))
+    p.grad = torch.ones(numel, device=device)
     opt = torch.optim.AdamW([p], lr=1e-3)
-    opt.step()  # warm-up: creates the moments
-    return _median_seconds(opt.step, repeats) / numel
+
+    def step():
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up: creates the moments
+    return _median_seconds(step, repeats) / numel
 
 
-def hiding_fraction(numel: int = 1 << 20, repeats: int = 3) -> float:
+def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
+                    device: torch.device | str = "cpu") -> float:
     """Run on every rank of a group: the share of an all-reduce's time that compute
     running meanwhile hides, (C + M - T) / min(C, M), with C matmuls alone, M the
     all-reduce alone and T both at once. 1 where communication has engines of its own
     (NCCL on a GPU), less where its copies take the cores that compute (gloo on a CPU)."""
     import torch.distributed as dist
-    x = torch.ones(numel)
-    a = torch.randn(256, 256)
+    device = torch.device(device)
+    x = torch.ones(numel, device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def done():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def communicate():
         dist.all_reduce(x)
+        done()
 
     communicate()
     dist.barrier()
     comm_alone = _median_seconds(communicate, repeats)
-    matmuls = max(1, int(comm_alone / max(_median_seconds(lambda: a @ a, 3), 1e-6)))
+
+    def one_matmul():
+        a @ a
+        done()
+
+    matmuls = max(1, int(comm_alone / max(_median_seconds(one_matmul, 3), 1e-6)))
 
     def compute():
         for _ in range(matmuls):
             a @ a
+        done()
 
     def both():
         work = dist.all_reduce(x, async_op=True)
         compute()
         work.wait()
+        done()
 
     dist.barrier()
     compute_alone = _median_seconds(compute, repeats)
