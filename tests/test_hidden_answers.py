@@ -43,7 +43,7 @@ def test_every_answer_is_folded_in_the_book_in_jupyter_and_in_colab(lab):
             f"{where}: in plain view in Colab (cellView form and a '# @title' first line)"
 
 
-GRADED_LABS = ["02-build-a-ring", "04-ddp-from-the-inside", "05-stage-by-stage",
+GRADED_LABS = ["02-build-a-ring", "03-predict-then-measure", "04-ddp-from-the-inside", "05-stage-by-stage",
                "06-fsdp2-beside-pytorch", "07-crash-and-resume"]
 
 

@@ -118,3 +118,19 @@ def test_a_changed_result_fails(monkeypatch):
     monkeypatch.setitem(globals(), "results", altered)
     with pytest.raises(AssertionError):
         test_the_table_against_pytorch()
+
+
+def test_the_step_time_table():
+    """The median error of the step-time model per strategy and world, and the term the
+    benchmark most often names, as `bench_steptime.py --results` wrote them."""
+    data = results("steptime")
+    rows = table_rows("| strategy | median error, 2 ranks |")
+    assert {strategy(r[0]) for r in rows} == set(data["median_error"])
+    for name_cell, two, four, term in rows:
+        name = strategy(name_cell)
+        errors = data["median_error"][name]
+        assert two == f"{100 * errors['2']:.0f}%" and four == f"{100 * errors['4']:.0f}%"
+        named = [r["term_off"].split(" off")[0] for r in data["rows"]
+                 if r["strategy"] == name and r["term_off"]]
+        expected = max(sorted(set(named)), key=named.count) if named else "none"
+        assert term == expected, name

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="resume from a checkpoint shardlab did not write (PyTorch's own "
                         "dcp.save): it has no manifest to verify")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="write a torch.profiler trace of one steady step into DIR, one "
+                        "Chrome/Perfetto file per rank (open in ui.perfetto.dev)")
     p.add_argument("--export", metavar="PATH",
                    help="after training, write the full unsharded state dict (torch.save)")
     return p
@@ -116,6 +119,7 @@ _FLAG_WORDS = [
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
      r"trust_checkpoint|resume_world|slow_rank|slow_seconds)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
     (r"\bexport_path\b", "--export"),
+    (r"\bprofile_dir\b", "--profile"),
     (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),
 ]
 
@@ -186,7 +190,7 @@ def _config(args) -> TrainConfig:
                        save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
                        resume=args.resume, export_path=args.export,
                        model_config=dict(args.model_config) or None,
-                       trust_checkpoint=args.trust_checkpoint,
+                       trust_checkpoint=args.trust_checkpoint, profile_dir=args.profile,
                        slow_rank=args.slow_rank, slow_seconds=args.slow_seconds)
 
 

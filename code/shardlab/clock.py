@@ -54,11 +54,15 @@ class _Phase:
         self.clock, self.what = clock, what
 
     def __enter__(self) -> "_Phase":
+        # a named range in a torch.profiler trace (next to nothing when none records)
+        self.marker = torch.profiler.record_function(self.what)
+        self.marker.__enter__()
         self.begin = _now()
         return self
 
     def __exit__(self, *exc) -> None:
         end = _now()
+        self.marker.__exit__(*exc)
         self.clock.spans.append((self.what, self.begin, end))
         if self.what == "backward":
             self.clock.close_backward(end)

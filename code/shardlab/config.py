@@ -66,6 +66,9 @@ class TrainConfig:
     slow_seconds: float = 0.0
     recompute: bool = False
     memory_limit: int | None = None
+    # A folder for a torch.profiler trace of one steady step (the next to last), one
+    # Chrome/Perfetto trace file per rank: rank0.json, rank1.json, ...
+    profile_dir: str | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -99,6 +102,11 @@ class TrainConfig:
         if self.memory_limit is not None:
             check_memory_limit(self.memory_limit)
         self._check_seq_len()
+        if self.profile_dir is not None:
+            folder = Path(self.profile_dir)
+            if folder.exists() and not folder.is_dir():
+                raise ValueError(f"profile_dir {self.profile_dir!r} is a file; give a folder "
+                                 f"for the trace files")
         check_batch_split(self.batch_size, self.world, self.grad_accum)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import statistics
 import time
 
 import torch
@@ -139,14 +140,17 @@ def _ring_from(module: str | dict, op: str):
 
 
 def time_collectives(ops: list[str], sizes: list[int], repeats: int = 5,
-                     module: str | dict | None = None) -> list[comm.CollectiveRecord]:
+                     module: str | dict | None = None,
+                     typical: bool = False) -> list[comm.CollectiveRecord]:
     """Time each op on fp32 tensors of each size in bytes; one record per (op, size).
 
     `seconds` is the fastest of `repeats` runs, each started together on all ranks (a
     barrier first, so a rank that arrives late does not count as slow communication); the
     fastest is the run least disturbed by other processes sharing the cores.
     `module` runs the reader's ring functions instead of the course's: a module's name, or
-    a dict of the functions by name.
+    a dict of the functions by name. `typical`: the median of the runs instead of the
+    fastest, what a collective costs on the machine as loaded as it is (the step-time
+    model's fit: a step's collectives are not the least disturbed ones).
     rounds / round_bytes are the ring's, for the α-β fit.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -169,7 +173,9 @@ def time_collectives(ops: list[str], sizes: list[int], repeats: int = 5,
                 times.append(time.perf_counter() - start)
             sent, received, rounds, round_bytes = comm.ring_traffic(op, numel, world, 4, rank)
             records.append(comm.CollectiveRecord(op, torch.float32, numel, numel * 4, sent,
-                                                 received, min(times), 0,
+                                                 received,
+                                                 statistics.median(times) if typical
+                                                 else min(times), 0,
                                                  world, rounds, round_bytes))
     return records
 
@@ -295,3 +301,38 @@ def run_all(calls: list[tuple]) -> list:
     a page that needs several runs asks for them together.
     """
     return [function(*args) for function, args in calls]
+
+
+# ----------------------------------------------------------------------------- step time
+
+MACHINE_SIZES = [4_096, 65_536, 1_048_576, 4_194_304]  # bytes, for the α-β fit
+
+
+def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int = 8,
+                    seq_len: int = 32, repeats: int = 5) -> dict:
+    """Run on every rank: this machine as the step-time model sees it, one
+    `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
+    figure measured with all ranks working at once: the rate of the model's own forward
+    and backward on this rank's rows of a batch, AdamW's seconds per parameter, how much
+    of an all-reduce compute hides, and α and β fitted to all-reduces and all-gathers."""
+    from dataclasses import replace
+
+    from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.steptime import Machine, adam_seconds, compute_rate, hiding_fraction
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
+    x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len))
+    rates = {}
+    for label, (name, config) in models.items():
+        dist.barrier()
+        model = build_model(name, 0, config).to(device)
+        rates[label] = compute_rate(model, x, y, loss_fn, repeats=repeats)
+    dist.barrier()
+    adam = adam_seconds(repeats=repeats, device=device)
+    hiding = hiding_fraction(repeats=repeats, device=device)
+    records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
+                               typical=True)
+    alpha, beta = comm.fit_alpha_beta(records)
+    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam, hiding=hiding,
+                      gloo=dist.get_backend() == "gloo")
+    return {label: replace(machine, flops=rate) for label, rate in rates.items()}

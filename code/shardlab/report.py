@@ -23,6 +23,10 @@ timestamps the run recorded (never from an assumed bandwidth):
   ranks' records of one collective are paired by process group and order, and their
   launch times laid on one clock (`comm.clock_offset`). A straggler shows it: every rank
   but the slow one is idle for about the slow rank's delay;
+* **MFU** (model FLOPs utilization): the model's 6ΨT FLOPs of a step over the step's
+  time, as a share of the matmul rate this rank measured on the model's own shapes at the
+  start of the run (a measured rate, not a datasheet's peak: on a shared CPU, the rank's
+  share of the cores);
 * **peak allocated** memory of the last step, and **peak reserved** on CUDA (what the
   caching allocator took from the device; None on a CPU);
 * **checkpoint save and load** seconds, where the run saved or resumed.
@@ -88,6 +92,10 @@ class RunReport:
     host: str = ""
     local_rank: int = 0
     local_world: int = 1
+    # MFU's two figures: the model's FLOPs in this rank's step (6 Ψ T) and this rank's
+    # matmul rate on the model's shapes, measured at the run's start (`steptime.matmul_rate`)
+    model_flops_per_step: float = 0.0
+    matmul_flops: float = 0.0
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:
@@ -309,12 +317,16 @@ def production_metrics(reports: list[RunReport]) -> list[dict[str, Any]]:
             return None if value is None else 1e3 * value
 
         comm = sum(row.get("comm_seconds") or 0.0 for row in rows)
+        step_s = median("seconds")
+        mfu = (100 * report.model_flops_per_step / step_s / report.matmul_flops
+               if step_s and report.matmul_flops > 0 else None)
         exposed = sum(row.get("exposed_seconds") or 0.0 for row in rows)
         saves = report.checkpoint_save_seconds
         summaries.append({
             "rank": report.rank,
             "step_ms": ms("seconds"),
             "tokens_per_s": median("tokens_per_second"),
+            "mfu_pct": mfu,
             "all_gather_ms": ms("all_gather_seconds"),
             "reduce_scatter_ms": ms("reduce_scatter_seconds"),
             "all_reduce_ms": ms("all_reduce_seconds"),
@@ -356,12 +368,13 @@ def summary_table(reports: list[RunReport]) -> str:
                      f"{s.get('optimizer', 0) / mib:>10.3f} "
                      f"{r.peak.get('total', 0) / mib:>9.3f} {t['sent_bytes'] / mib:>14.3f} "
                      f"{t['calls']:>11.1f}")
-    head = (f"{'rank':>4} {'tokens/s':>9} {'AG ms':>7} {'RS ms':>7} {'AR ms':>7} "
+    head = (f"{'rank':>4} {'tokens/s':>9} {'MFU %':>6} {'AG ms':>7} {'RS ms':>7} {'AR ms':>7} "
             f"{'exposed':>8} {'overlap%':>8} {'idle ms':>8} {'alloc MiB':>9} "
             f"{'rsrvd MiB':>9} {'save s':>7} {'load s':>7}")
     lines += ["", head, "-" * len(head)]
     for m in production_metrics(reports):
         lines.append(f"{m['rank']:>4} {_cell(m['tokens_per_s'], 1, 0, 9)} "
+                     f"{_cell(m['mfu_pct'], width=6)} "
                      f"{_cell(m['all_gather_ms'], width=7)} "
                      f"{_cell(m['reduce_scatter_ms'], width=7)} "
                      f"{_cell(m['all_reduce_ms'], width=7)} "

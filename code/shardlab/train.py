@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +50,7 @@ from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_r
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
+from shardlab.steptime import matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
 
 # ----------------------------------------------------------------------------- the loop
@@ -110,6 +112,9 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     torch.manual_seed(config.seed)
     model = build_model(config.model, config.seed, config.model_config).to(device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tokens = config.batch_size // world * config.seq_len  # this rank's, all micro-batches
+    # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
+    rate = matmul_rate(model, tokens // config.grad_accum, device=device)
     precision = get_precision(config.precision)
     if config.recompute:  # before wrapping: a strategy's hooks then run inside it
         recompute_units(model)
@@ -143,8 +148,11 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      if tracking and config.memory_limit is not None
                      else contextlib.nullcontext())
             clock = StepClock()
+            profiler = (_profiler(device) if config.profile_dir is not None
+                        and step == max(first_step, config.steps - 2)
+                        else contextlib.nullcontext())
             start = time.perf_counter()
-            with watch as watched, tracker as tracked:
+            with profiler as profiled, watch as watched, tracker as tracked:
                 if delay:
                     with clock.phase("injected delay"):
                         straggle(delay)
@@ -171,6 +179,9 @@ def train_worker(config: TrainConfig, progress: str | None = None,
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
+            if profiled is not None:
+                Path(config.profile_dir).mkdir(parents=True, exist_ok=True)
+                profiled.export_chrome_trace(str(Path(config.profile_dir) / f"rank{rank}.json"))
             step_starts.append(start)
             phases.append(clock.spans)
             if config.save_every and (step + 1) % config.save_every == 0:
@@ -211,12 +222,46 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     return RunReport(rank, world, config.strategy, losses.tolist(), sizes, peak,
                      list(ledger.records) if ledger is not None else [], step_times,
                      params, psi, first_step, placement(),
-                     tokens_per_step=config.batch_size // world * config.seq_len,
+                     tokens_per_step=tokens,
                      step_starts=step_starts, phases=phases, clock_offset=offset,
                      checkpoint_save_seconds=saves, checkpoint_load_seconds=load_seconds,
                      memory_limit_crossing=None if crossing is None else str(crossing),
                      node=here.node, host=here.host, local_rank=here.local_rank,
-                     local_world=here.local_world)
+                     local_world=here.local_world,
+                     model_flops_per_step=6 * psi * tokens, matmul_flops=rate)
+
+
+@contextlib.contextmanager
+def _profiler(device: torch.device):
+    """torch.profiler over one step: the CPU's ops (and the GPU's kernels on CUDA), the
+    loop's phases as named ranges (`StepClock` marks them), exported as a Chrome trace.
+    Kineto announces its start and stop on the process's stderr, below Python, at every
+    level of KINETO_LOG_LEVEL: those two moments write to /dev/null instead."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    profiler = profile(activities=activities)
+    with _stderr_silenced():
+        profiler.start()
+    try:
+        yield profiler
+    finally:
+        with _stderr_silenced():
+            profiler.stop()
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:

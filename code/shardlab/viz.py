@@ -319,3 +319,51 @@ def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
 
 
 __all__.append("step_timeline_figure")
+
+
+def profiled_spans(trace_path) -> dict[str, list[tuple[str, float, float]]]:
+    """The loop's phases and gloo's/NCCL's collectives of a `torch.profiler` Chrome trace
+    (a run's `--profile` folder, `rankR.json`), in ms from the first phase's start:
+    {"compute": [(what, begin, end)], "communication": [...]}."""
+    import json
+    from pathlib import Path
+
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    phases = [e for e in spans if e["name"] in ("forward", "backward", "optimizer step")]
+    collectives = [e for e in spans if e["name"].startswith(("gloo:", "nccl:"))]
+    t0 = min((e["ts"] for e in phases), default=0.0)
+
+    def ms(group):
+        return [(e["name"], (e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3)
+                for e in group]
+    return {"compute": ms(phases), "communication": ms(collectives)}
+
+
+def predicted_beside_profiled(ax, predicted: Sequence[tuple[str, str, float, float]],
+                              profiled: dict, title: str = ""):
+    """Four lanes: the step-time model's timeline (`StepPrediction.timeline()`, seconds)
+    above the profiled step's (`profiled_spans`, ms), compute and communication each."""
+    colors = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B3",
+              "optimizer step": "#8172B3"}
+    comm_color = "#C44E52"
+    lanes = [("predicted compute", [(w, 1e3 * a, 1e3 * b) for lane, w, a, b in predicted
+                                    if lane == "compute"]),
+             ("predicted comm", [(w, 1e3 * a, 1e3 * b) for lane, w, a, b in predicted
+                                 if lane == "communication"]),
+             ("profiled compute", profiled["compute"]),
+             ("profiled comm", profiled["communication"])]
+    for i, (_, spans) in enumerate(lanes):
+        y = len(lanes) - 1 - i
+        for what, a, b in spans:
+            ax.broken_barh([(a, b - a)], (y, 0.8), color=colors.get(what, comm_color),
+                           alpha=0.9, edgecolor="white", linewidth=0.3)
+    ax.set_yticks([len(lanes) - 1 - i + 0.4 for i in range(len(lanes))],
+                  [name for name, _ in lanes], fontsize=SMALLEST_PT)
+    ax.spines[["top", "right"]].set_visible(False)
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+__all__ += ["profiled_spans", "predicted_beside_profiled"]

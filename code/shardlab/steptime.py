@@ -1,0 +1,399 @@
+"""How long one training step takes, predicted before it runs: compute, communication, and
+what of the communication the strategy's schedule leaves exposed.
+
+    compute         forward 2ΨT/F, backward 4ΨT/F (6ΨT for the step), T tokens per rank,
+                    F the rate this machine reaches on the model's own forward and
+                    backward with all ranks running (`compute_rate`; the matmul rate
+                    `matmul_rate` is the ceiling, MFU's denominator);
+                    the optimizer step: the parameters this rank steps x AdamW's
+                    measured seconds per parameter (Ψ for DDP, Ψ/N once sharded)
+    communication   each collective, kind and size as the ledger records them, by the
+                    α-β fit of the ring (`comm.predict_seconds`); on gloo a native
+                    reduce-scatter is an all-reduce (DESIGN.md), so it costs one
+    exposed         the strategy's schedule: where each collective runs and what compute
+                    it can hide behind (the table `SCHEDULES`)
+
+A collective hides behind compute only as well as the machine lets it: on a GPU NCCL runs
+on its own stream (`hiding` = 1); on a CPU gloo's copies run on the cores that compute,
+and `hiding`, measured by `hiding_fraction`, is the share of an overlapped collective's
+time that does not come back as slower compute.
+
+`predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
+`Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
+`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.demo.measure_machine` runs them on
+every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from shardlab.comm.records import CollectiveRecord
+from shardlab.comm.volumes import VOLUME_FACTORS, predict_seconds
+from shardlab.wrap import unit_modules
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the step-time model needs of a machine, each figure per rank with every rank
+    of the run working at once (on a shared CPU a rank gets its share of the cores)."""
+
+    flops: float                   # 6ΨT FLOP/s of one rank's forward and backward
+    alpha: float                   # s per ring round (α-β fit)
+    beta: float                    # bytes/s of one ring round (α-β fit)
+    adam_seconds: float            # AdamW's seconds per parameter stepped
+    hiding: float = 1.0            # share of overlapped communication that is hidden
+    gloo: bool = True              # a native reduce-scatter runs as an all-reduce
+
+    def __post_init__(self):
+        if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
+                and self.adam_seconds >= 0 and 0 <= self.hiding <= 1):
+            raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
+                             f"adam_seconds >= 0 and 0 <= hiding <= 1, got {self}")
+
+
+# Where each kind of collective runs, by strategy (see `exposed_seconds` for the rules):
+#   produced   launched as backward produces gradients: the last one cannot hide
+#   prefetched gathered ahead of the compute that needs it: the first one cannot hide
+#   waited     launched and waited for at once: nothing hides it
+# and behind which compute: "forward", "backward", or "step" (nothing: after backward or
+# after the optimizer step). Forward and backward collectives of ZeRO-3/FSDP2 are the
+# all-gathers split in two halves, the forward's first.
+SCHEDULES = {
+    "ddp": {"all_reduce": ("backward", "produced")},
+    "torch-ddp": {"all_reduce": ("backward", "produced")},
+    "ddp-naive": {"all_reduce": ("step", "waited")},
+    "zero1": {"reduce_scatter": ("step", "waited"), "all_gather": ("forward", "prefetched")},
+    "zero2": {"reduce_scatter": ("backward", "produced"),
+              "all_gather": ("forward", "prefetched")},
+    "torch-zero1": {"all_reduce": ("backward", "produced"), "broadcast": ("step", "waited")},
+    "zero3": {"all_gather": (("forward", "waited"), ("backward", "waited")),
+              "reduce_scatter": ("backward", "produced")},
+    "torch-fsdp2": {"all_gather": (("forward", "waited"), ("backward", "prefetched")),
+                    "reduce_scatter": ("backward", "produced")},
+}
+SCHEDULES["fsdp2"] = SCHEDULES["zero3"]
+SHARDED_STEP = ("zero1", "zero2", "torch-zero1", "zero3", "fsdp2", "torch-fsdp2")
+
+
+@dataclass
+class Collective:
+    op: str
+    nbytes: int
+    phase: str       # forward, backward, step
+    how: str         # produced, prefetched, waited
+    seconds: float = 0.0
+
+
+@dataclass
+class StepPrediction:
+    """A step, predicted: seconds of compute and of exposed communication by phase, and
+    every collective with its phase and α-β time."""
+
+    strategy: str
+    world: int
+    tokens: int
+    compute: dict[str, float]
+    exposed: dict[str, float]
+    collectives: list[Collective] = field(default_factory=list)
+    hiding: float = 1.0   # the machine's, as the prediction used it
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(self.compute.values())
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return sum(self.exposed.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_seconds
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one rank sends on a ring for this step's collectives."""
+        factor = {"all_reduce": 2, "broadcast": 1}
+        return sum(factor.get(c.op, 1) * c.nbytes * (self.world - 1) / self.world
+                   for c in self.collectives)
+
+    def timeline(self) -> list[tuple[str, str, float, float]]:
+        """(lane, what, begin s, end s), for a figure: per phase, the waited collectives
+        first, then the prefetched ones (compute starts when what they expose is over),
+        the compute, and the produced ones ending when their exposed part after the
+        compute is over."""
+        spans, t = [], 0.0
+        for phase, compute_name in (("forward", "forward"), ("backward", "backward"),
+                                    ("step", "optimizer")):
+            ops = [c for c in self.collectives if c.phase == phase]
+            window = self.compute[phase] if phase != "step" else 0.0
+            c_t = t
+            for how in ("waited", "prefetched"):
+                for c in (c for c in ops if c.how == how):
+                    spans.append(("communication", c.op, c_t, c_t + c.seconds))
+                    c_t += c.seconds
+            waited = sum(c.seconds for c in ops if c.how == "waited")
+            prefetched = [c for c in ops if c.how == "prefetched"]
+            produced = [c for c in ops if c.how == "produced"]
+            start = t + waited + exposed_seconds(prefetched, window, self.hiding)
+            end = start + self.compute[phase]
+            spans.append(("compute", compute_name, start, end))
+            tail = exposed_seconds(produced, window, self.hiding)
+            c_t = max(start, end + tail - sum(c.seconds for c in produced))
+            for c in produced:
+                spans.append(("communication", c.op, c_t, c_t + c.seconds))
+                c_t += c.seconds
+            t = end + tail
+        return spans
+
+
+def planned_collectives(strategy: str, model: nn.Module, world: int, options: dict,
+                        bytes_per_elem: int = 4) -> list[tuple[str, int]]:
+    """(op, bytes of the whole tensor) of one step, in launch order, from the strategy's
+    rules alone (what the ledger will record, up to buckets' edges on parameter borders):
+    DDP's buckets (the first `first_bucket_mb`, then `bucket_mb`), ZeRO-1/2's buckets,
+    ZeRO-3/FSDP2's units (each gathered in forward and in backward)."""
+    if world < 2:
+        return []
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params) * bytes_per_elem
+
+    def buckets(first_mb: float, mb: float) -> list[int]:
+        out, left, limit = [], total, first_mb * MB
+        while left > 0:
+            out.append(int(min(left, limit)))
+            left -= out[-1]
+            limit = mb * MB
+        return out
+
+    if strategy in ("ddp", "torch-ddp", "torch-zero1"):
+        ddp = buckets(options.get("first_bucket_mb", 1.0), options.get("bucket_mb", 25.0))
+        plan = [("all_reduce", b) for b in ddp]
+        if strategy == "torch-zero1":
+            plan += [("broadcast", p.numel() * bytes_per_elem) for p in params]
+        return plan
+    if strategy == "ddp-naive":
+        return [("all_reduce", p.numel() * bytes_per_elem) for p in params]
+    if strategy in ("zero1", "zero2"):
+        mb = options.get("bucket_mb", 25.0)
+        zero = buckets(mb, mb)
+        return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in zero]
+    if strategy in ("zero3", "fsdp2", "torch-fsdp2"):
+        units, seen = [], set()
+        for unit in unit_modules(model, options.get("wrap", "auto")):
+            own = [p for p in unit.parameters() if id(p) not in seen]
+            seen |= {id(p) for p in own}
+            units.append(sum(p.numel() for p in own if p.requires_grad) * bytes_per_elem)
+        forward = [("all_gather", b) for b in units[::-1]]     # the root first
+        backward = [("all_gather", b) for b in units]          # the root last
+        return forward + backward + [("reduce_scatter", b) for b in units]
+    raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
+                     f"{sorted(SCHEDULES)}")
+
+
+def collective_seconds(op: str, nbytes: int, world: int, machine: Machine) -> float:
+    """α-β time of one collective over a tensor of `nbytes` (gloo's reduce-scatter is
+    an all-reduce: its copies cost one)."""
+    op = op.removeprefix("ring_")
+    if op == "reduce_scatter" and machine.gloo:
+        op = "all_reduce"
+    return predict_seconds(op, nbytes, world, machine.alpha, machine.beta)
+
+
+def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> float:
+    """Exposed seconds of one phase's collectives that run under `window` seconds of
+    compute: the waited ones whole; the produced ones all but what the window hides, and
+    at least the last (it starts when the compute ends); the prefetched ones likewise, and
+    at least the first (it is needed as the compute starts)."""
+    waited = sum(c.seconds for c in ops if c.how == "waited")
+    out = waited
+    for how, unhidden in (("produced", -1), ("prefetched", 0)):
+        these = [c for c in ops if c.how == how]
+        if these:
+            out += max(these[unhidden].seconds,
+                       sum(c.seconds for c in these) - hiding * window)
+    return out
+
+
+def predict_step(strategy: str, model: nn.Module, world: int, options: dict | None,
+                 machine: Machine, *, tokens: int,
+                 ledger: Iterable[CollectiveRecord] | None = None,
+                 bytes_per_elem: int = 4) -> StepPrediction:
+    """The predicted step of `strategy` on `world` ranks, `tokens` tokens per rank.
+
+    The collectives are the ledger's records of one step when given (their kind and
+    logical bytes), else those the strategy's rules plan (`planned_collectives`).
+    """
+    if strategy not in SCHEDULES or strategy not in VOLUME_FACTORS:
+        raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
+                         f"{sorted(SCHEDULES)}")
+    if world < 1 or tokens < 1:
+        raise ValueError(f"need world >= 1 and tokens >= 1, got world={world}, "
+                         f"tokens={tokens}")
+    options = dict(options or {})
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    stepped = psi / world if strategy in SHARDED_STEP else psi
+    compute = {"forward": 2 * psi * tokens / machine.flops,
+               "backward": 4 * psi * tokens / machine.flops,
+               "step": stepped * machine.adam_seconds}
+    if ledger is not None:
+        plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
+    else:
+        plan = planned_collectives(strategy, model, world, options, bytes_per_elem)
+    schedule = SCHEDULES[strategy]
+    collectives = []
+    gathers = sum(1 for op, _ in plan if op == "all_gather")
+    seen_gathers = 0
+    for op, nbytes in plan:
+        where = schedule.get(op, ("step", "waited"))
+        if isinstance(where[0], tuple):  # ZeRO-3/FSDP2's gathers: forward, then backward
+            where = where[0] if seen_gathers < gathers / 2 else where[1]
+            seen_gathers += 1
+        if op == "all_gather" and strategy in ("zero1", "zero2") \
+                and not options.get("overlap_all_gather", True):
+            where = ("step", "waited")
+        collectives.append(Collective(op, nbytes, *where,
+                                      collective_seconds(op, nbytes, world, machine)))
+    exposed = {phase: exposed_seconds([c for c in collectives if c.phase == phase],
+                                      compute[phase] if phase != "step" else 0.0,
+                                      machine.hiding)
+               for phase in compute}
+    return StepPrediction(strategy, world, tokens, compute, exposed, collectives,
+                          machine.hiding)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _median_seconds(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
+                device: torch.device | str = "cpu") -> float:
+    """FLOP/s of this process on the model's own matmuls: `tokens` rows through each
+    distinct `nn.Linear` shape (a square 256 matmul for a model with none), the median of
+    `repeats` timings. Milliseconds for the course's models: cheap enough for every run."""
+    shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
+                     if isinstance(m, nn.Linear)}) or [(256, 256)]
+    tokens = max(1, int(tokens))
+    device = torch.device(device)
+    flops, seconds = 0.0, 0.0
+
+    def synchronized(run):
+        def timed():
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return timed
+
+    with torch.no_grad():
+        for n_in, n_out in shapes:
+            x = torch.randn(tokens, n_in, device=device)
+            w = torch.randn(n_out, n_in, device=device)
+            synchronized(lambda: x @ w.T)()  # warm-up
+            seconds += _median_seconds(synchronized(lambda: x @ w.T), repeats)
+            flops += 2 * tokens * n_in * n_out
+    return flops / seconds if seconds > 0 else math.inf
+
+
+def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                 repeats: int = 3) -> float:
+    """FLOP/s this process reaches on the model itself, counted as 6ΨT: the median time of
+    a forward and a backward over `x` (T tokens), with no communication. Below the matmul
+    rate by everything that is not a matmul (norms, softmax, the loss, autograd's own work):
+    the rate the step-time model divides 6ΨT by."""
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def forward_backward():
+        loss_fn(model(x), y).backward()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+
+    forward_backward()  # warm-up
+    seconds = _median_seconds(forward_backward, repeats)
+    model.zero_grad(set_to_none=True)
+    return 6 * psi * x.numel() / seconds
+
+
+def adam_seconds(numel: int = 1 << 20, repeats: int = 3,
+                 device: torch.device | str = "cpu") -> float:
+    """AdamW's seconds per parameter: the median of `repeats` steps on one flat tensor."""
+    device = torch.device(device)
+    p = nn.Parameter(torch.zeros(numel, device=device))
+    p.grad = torch.ones(numel, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+
+    def step():
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up: creates the moments
+    return _median_seconds(step, repeats) / numel
+
+
+def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
+                    device: torch.device | str = "cpu") -> float:
+    """Run on every rank of a group: the share of an all-reduce's time that compute
+    running meanwhile hides, (C + M - T) / min(C, M), with C matmuls alone, M the
+    all-reduce alone and T both at once. 1 where communication has engines of its own
+    (NCCL on a GPU), less where its copies take the cores that compute (gloo on a CPU)."""
+    import torch.distributed as dist
+    device = torch.device(device)
+    x = torch.ones(numel, device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def done():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def communicate():
+        dist.all_reduce(x)
+        done()
+
+    communicate()
+    dist.barrier()
+    comm_alone = _median_seconds(communicate, repeats)
+
+    def one_matmul():
+        a @ a
+        done()
+
+    matmuls = max(1, int(comm_alone / max(_median_seconds(one_matmul, 3), 1e-6)))
+
+    def compute():
+        for _ in range(matmuls):
+            a @ a
+        done()
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        work.wait()
+        done()
+
+    dist.barrier()
+    compute_alone = _median_seconds(compute, repeats)
+    dist.barrier()
+    together = _median_seconds(both, repeats)
+    hidden = (compute_alone + comm_alone - together) / min(compute_alone, comm_alone)
+    return min(1.0, max(0.0, hidden))

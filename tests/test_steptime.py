@@ -1,0 +1,201 @@
+"""The step-time model's arithmetic, on a fixed machine and fixed ledgers (no clock read).
+
+* compute: forward 2ΨT/F, backward 4ΨT/F, the optimizer Ψ (or Ψ/N, sharded) x AdamW's rate;
+* each collective by the α-β fit, gloo's reduce-scatter priced as the all-reduce it is;
+* exposed time by the schedule: DDP's last bucket, the window backward gives, nothing
+  hidden where compute hides nothing (`hiding` = 0);
+* the planned collectives send the ZeRO paper's volumes (2Ψ, 3Ψ) and match a ledger's;
+* MFU in the run report, from the report's own figures;
+* bad input refused in one line.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from shardlab import comm
+from shardlab.comm import CollectiveRecord
+from shardlab.models import build_model
+from shardlab.report import RunReport, production_metrics
+from shardlab.steptime import (Machine, SCHEDULES, exposed_seconds, matmul_rate,
+                               planned_collectives, predict_step)
+
+MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)
+WORLD = 4
+TOKENS = 128
+
+
+def record(op: str, nbytes: int, world: int = WORLD) -> CollectiveRecord:
+    return CollectiveRecord(op, torch.float32, nbytes // 4, nbytes, 0, 0, 0.0, 1, world)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("gpt-tiny")
+
+
+def psi_of(model):
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_compute_is_six_psi_tokens_over_the_rate(model):
+    psi = psi_of(model)
+    ddp = predict_step("ddp", model, WORLD, {}, MACHINE, tokens=TOKENS)
+    assert ddp.compute["forward"] == pytest.approx(2 * psi * TOKENS / 1e9)
+    assert ddp.compute["backward"] == pytest.approx(4 * psi * TOKENS / 1e9)
+    assert ddp.compute["step"] == pytest.approx(psi * 1e-8)
+    zero2 = predict_step("zero2", model, WORLD, {}, MACHINE, tokens=TOKENS)
+    assert zero2.compute["step"] == pytest.approx(psi / WORLD * 1e-8)  # its shard only
+
+
+def test_ddp_exposes_its_last_bucket_or_what_backward_cannot_hide(model):
+    psi = psi_of(model)
+    fast = Machine(flops=1e11, alpha=1e-4, beta=1e8, adam_seconds=1e-8, gloo=False)
+    backward = 4 * psi * TOKENS / fast.flops
+    small, large = 1 << 16, 1 << 20
+    ledger = [record("all_reduce", large), record("all_reduce", small)]
+    step = predict_step("ddp", model, WORLD, {}, fast, tokens=TOKENS, ledger=ledger)
+    times = [comm.predict_seconds("all_reduce", b, WORLD, 1e-4, 1e8) for b in (large, small)]
+    assert [c.seconds for c in step.collectives] == pytest.approx(times)
+    assert step.comm_seconds == pytest.approx(sum(times))
+    # behind a backward this short, all but `backward` of the communication sticks out
+    assert sum(times) - backward > times[-1]
+    assert step.exposed["backward"] == pytest.approx(sum(times) - backward)
+    assert step.step_seconds == pytest.approx(step.compute_seconds + sum(times) - backward)
+    # a slower machine's longer backward hides all but the last bucket
+    hidden = predict_step("ddp", model, WORLD, {}, MACHINE, tokens=TOKENS, ledger=ledger)
+    assert 4 * psi * TOKENS / MACHINE.flops > sum(times)
+    assert hidden.exposed["backward"] == pytest.approx(times[-1])
+    # where compute hides nothing (gloo's copies on the computing cores), all is exposed
+    shared = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0)
+    exposed = predict_step("ddp", model, WORLD, {}, shared, tokens=TOKENS, ledger=ledger)
+    assert exposed.exposed_seconds == pytest.approx(sum(times))
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce(model):
+    ledger = [record("reduce_scatter", 1 << 20), record("all_gather", 1 << 20)]
+    nccl = predict_step("zero1", model, WORLD, {}, MACHINE, tokens=TOKENS, ledger=ledger)
+    gloo = predict_step("zero1", model, WORLD, {},
+                        Machine(1e9, 1e-4, 1e8, 1e-8, 1.0, gloo=True), tokens=TOKENS,
+                        ledger=ledger)
+    rs = comm.predict_seconds("reduce_scatter", 1 << 20, WORLD, 1e-4, 1e8)
+    ar = comm.predict_seconds("all_reduce", 1 << 20, WORLD, 1e-4, 1e8)
+    assert nccl.collectives[0].seconds == pytest.approx(rs)
+    assert gloo.collectives[0].seconds == pytest.approx(ar) == pytest.approx(2 * rs, rel=0.01)
+    # ZeRO-1 reduce-scatters in step() (exposed whole); its one all-gather bucket is needed
+    # as the next forward starts, so it cannot hide either
+    assert nccl.exposed_seconds == pytest.approx(nccl.comm_seconds)
+    off = predict_step("zero1", model, WORLD, {"overlap_all_gather": False}, MACHINE,
+                       tokens=TOKENS, ledger=ledger)
+    assert [c.phase for c in off.collectives] == ["step", "step"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "torch-ddp", "zero1", "zero2", "zero3",
+                                      "fsdp2", "torch-fsdp2"])
+def test_planned_collectives_send_the_papers_volume(model, strategy):
+    step = predict_step(strategy, model, WORLD, {"bucket_mb": 0.1}, MACHINE, tokens=TOKENS)
+    psi = psi_of(model)
+    assert step.sent_bytes == pytest.approx(comm.volume_per_rank(strategy, psi, WORLD, 4))
+
+
+def test_zero3_plan_is_a_gather_per_unit_each_way_and_a_reduce_scatter():
+    small = build_model("gpt-small")
+    plan = planned_collectives("zero3", small, 2, {})
+    kinds = {op: [b for o, b in plan if o == op] for op in ("all_gather", "reduce_scatter")}
+    # what the ledger records for gpt-small on 2 ranks: 10 gathers, 5 reduce-scatters
+    assert (len(kinds["all_gather"]), sum(kinds["all_gather"])) == (10, 25_931_776)
+    assert (len(kinds["reduce_scatter"]), sum(kinds["reduce_scatter"])) == (5, 12_965_888)
+    step = predict_step("zero3", small, 2, {}, MACHINE, tokens=TOKENS)
+    assert [c.phase for c in step.collectives[:10]] == ["forward"] * 5 + ["backward"] * 5
+
+
+def test_exposed_rules():
+    from shardlab.steptime import Collective
+    produced = [Collective("all_reduce", 0, "backward", "produced", s) for s in (1.0, 2.0)]
+    prefetched = [Collective("all_gather", 0, "forward", "prefetched", s) for s in (2.0, 1.0)]
+    waited = [Collective("all_gather", 0, "forward", "waited", 0.5)]
+    assert exposed_seconds(produced, 10.0, 1.0) == 2.0          # the last one
+    assert exposed_seconds(produced, 0.5, 1.0) == 2.5           # 3 - 0.5
+    assert exposed_seconds(prefetched, 10.0, 1.0) == 2.0        # the first one
+    assert exposed_seconds(produced, 10.0, 0.0) == 3.0          # nothing hides
+    assert exposed_seconds(waited + prefetched, 10.0, 1.0) == 2.5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_timeline_ends_at_the_predicted_step(model, strategy):
+    step = predict_step(strategy, model, WORLD, {"bucket_mb": 0.1}, MACHINE, tokens=TOKENS)
+    timeline = step.timeline()
+    compute = [s for s in timeline if s[0] == "compute"]
+    assert [s[1] for s in compute] == ["forward", "backward", "optimizer"]
+    assert compute[-1][3] == pytest.approx(step.step_seconds)
+    # every collective is drawn once, for its predicted time
+    drawn = sorted(b - a for lane, _, a, b in timeline if lane == "communication")
+    assert drawn == pytest.approx(sorted(c.seconds for c in step.collectives))
+
+
+def test_every_schedule_is_a_known_strategy():
+    assert set(SCHEDULES) <= set(comm.VOLUME_FACTORS)
+
+
+def test_bad_input_is_refused_in_one_line(model):
+    with pytest.raises(ValueError, match="no step-time schedule for strategy 'zero9'"):
+        predict_step("zero9", model, WORLD, {}, MACHINE, tokens=TOKENS)
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        predict_step("ddp", model, WORLD, {}, MACHINE, tokens=0)
+    with pytest.raises(ValueError, match="flops > 0"):
+        Machine(flops=0, alpha=0, beta=1, adam_seconds=0)
+    with pytest.raises(ValueError, match="hiding"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=2)
+
+
+def test_matmul_rate_is_a_rate():
+    rate = matmul_rate(nn.Linear(64, 32), tokens=16)
+    assert rate > 0 and math.isfinite(rate)
+
+
+def test_report_mfu_is_model_flops_over_step_over_rate():
+    report = RunReport(0, 2, "ddp", [1.0] * 4, {}, {}, [], [1.0, 0.5, 0.5, 1.0],
+                       tokens_per_step=100, model_flops_per_step=1e9, matmul_flops=1e10)
+    [m] = production_metrics([report])
+    assert m["mfu_pct"] == pytest.approx(100 * 1e9 / 0.5 / 1e10)  # 20 %: the steady median
+    assert production_metrics([RunReport(0, 1, "single", [1.0], {}, {}, [], [1.0])])[0][
+        "mfu_pct"] is None
+
+
+def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
+    """One launch: every rank's report states MFU and tokens/s (the summary prints them),
+    and --profile's folder holds a Chrome trace per rank with the loop's phases and the
+    collectives of the step."""
+    import json
+
+    from shardlab.report import summary_table
+    from shardlab.train import TrainConfig, run
+    reports = run(TrainConfig(strategy="zero2", world=2, steps=3, measure_memory=False,
+                              profile_dir=str(tmp_path / "traces")))
+    for m in production_metrics(reports):
+        assert m["mfu_pct"] is not None and m["mfu_pct"] > 0
+        assert m["tokens_per_s"] > 0
+    assert "MFU %" in summary_table(reports)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert {"forward", "backward", "optimizer step"} <= names
+        assert any(n.startswith("gloo:") for n in names), sorted(names)[:20]
+    # what the figure of the predicted step beside the profiled one reads from a trace
+    from shardlab.viz import profiled_spans
+    spans = profiled_spans(tmp_path / "traces" / "rank0.json")
+    assert [w for w, *_ in spans["compute"]] == ["forward", "backward", "optimizer step"]
+    assert spans["compute"][0][1] == 0.0 and spans["communication"]
+
+
+def test_profile_dir_that_is_a_file_is_refused(tmp_path):
+    from shardlab.train import TrainConfig
+    a_file = tmp_path / "trace"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="is a file; give a folder"):
+        TrainConfig(strategy="ddp", world=2, profile_dir=str(a_file)).validate()
+    # from the command line: one line naming the flag, exit code 2, before any rank starts
+    from shardlab.cli import main
+    assert main(["--strategy", "ddp", "--world", "2", "--profile", str(a_file)]) == 2
