@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from shardlab.debugging import (check_memory_limit, check_straggler, memory_limi
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
                              rank_device, reaped_with_launches, under_torchrun,
                              whereabouts)
+from shardlab.launch.quiet import quiet_stderr
 from shardlab.measure import state_bytes, track_peak
 from shardlab.clock import StepClock
 from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
@@ -242,26 +242,13 @@ def _profiler(device: torch.device):
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     profiler = profile(activities=activities)
-    with _stderr_silenced():
+    with quiet_stderr():
         profiler.start()
     try:
         yield profiler
     finally:
-        with _stderr_silenced():
+        with quiet_stderr():
             profiler.stop()
-
-
-@contextlib.contextmanager
-def _stderr_silenced():
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _resume(config: TrainConfig, wrapped: Wrapped) -> int:

@@ -8,14 +8,14 @@ would print. Apart from the strategies because the estimator imports it too.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
-import sys
 import warnings
 
 import torch
+
+from shardlab.launch.quiet import quiet_stderr
 
 
 # The loop relies on the engine accepting a plain `loss.backward()` (in 0.19.0, not in
@@ -43,26 +43,6 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.text not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """Send what is written to stderr, by Python or by C code and subprocesses (file
-    descriptor 2), to /dev/null.
-
-    DeepSpeed checks once which of its C++ ops could be built here, and the check for
-    NVMe offload links a test program against libaio: on a machine without libaio the
-    linker prints "cannot find -laio" on the process's stderr, which a notebook would
-    show under the cell. Nothing the course runs depends on it."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def import_deepspeed(device: torch.device):

@@ -18,6 +18,8 @@ A file per part:
     blame.py     which rank ended a launch: the one that died, not the peers it broke
     torchrun.py  under torchrun (one agent per node): each rank's node and local rank, the
                  world checked against torchrun's, the node that died named by the others
+    quiet.py     what libraries print below Python (DeepSpeed, the profiler) kept out of
+                 a rank's output
     errors.py    `LaunchError`, `RankFailed`, `LaunchTimeout`
 """
 
@@ -28,6 +30,7 @@ from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, reaped_with_launches
                                      reclaim_run_dirs)
 from shardlab.launch.launcher import (DEFAULT_TIMEOUT, check_importable, check_main_guard,
                                       launch)
+from shardlab.launch.quiet import quiet_stderr
 from shardlab.launch.torchrun import (Whereabouts, check_world, first_to_say, under_torchrun,
                                       whereabouts)
 
@@ -36,4 +39,4 @@ __all__ = ["launch", "rank_device", "placement", "under_torchrun", "choose_place
            "DEFAULT_TIMEOUT", "LaunchError", "RankFailed", "LaunchTimeout",
            "check_importable", "check_main_guard", "reclaim_run_dirs", "OWNER",
            "RUN_DIR_PREFIX", "reaped_with_launches", "Whereabouts", "whereabouts",
-           "check_world", "first_to_say"]
+           "check_world", "first_to_say", "quiet_stderr"]
