@@ -87,6 +87,21 @@ def restore_buffers(module: nn.Module, name: str, config: dict | None = None,
     return restored
 
 
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`, with every tied parameter tied again: to_empty may give
+    each name its own new tensor (torch's swap of module parameters), which unties GPT-2's
+    head from its embedding, silently, and leaves the head out of every file."""
+    tied: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in (names for names in tied.values() if len(names) > 1):
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, shared)
+
+
 def wrap_on_meta(name: str, config: dict | None, strategy: str, precision: Precision,
                  optimizer: OptimizerSpec, options: dict, device: torch.device,
                  folder: str, skip_buffers: Iterable[str] = (),
@@ -106,7 +121,7 @@ def wrap_on_meta(name: str, config: dict | None, strategy: str, precision: Preci
         restore_buffers(wrapped.module, name, config, skip_buffers)
         load_into(folder, wrapped)
         return wrapped
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     restore_buffers(model, name, config, skip_buffers)
     load_module(folder, model)
     return wrap(model, precision, optimizer, dict(options))
