@@ -6,6 +6,7 @@ import torch
 
 from shardlab import checkpoint
 from shardlab.launch import rank_device
+from shardlab.measure import state_bytes
 from shardlab.modelio import wrap_on_meta
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
@@ -30,7 +31,14 @@ def meta_cases(cases: list[dict], train: dict) -> dict:
                 else named_full_parameters(wrapped.module))
         reference = build_model(case["model"], seed=SEED)
         buffers = dict(wrapped.module.named_buffers())
-        results.append({
+        held = None
+        if case.get("measure"):  # one step, then the bytes this rank holds
+            x, y = (t.to(device) for t in get_batch(0, rank, world, 4, 16))
+            loss_fn(wrapped.model(x), y).backward()
+            wrapped.optimizer.step()
+            held = state_bytes(*wrapped.holders())
+            wrapped.optimizer.zero_grad()
+        results.append({"state_bytes": held,
             "params": [n for n, p in reference.named_parameters()
                        if not torch.equal(full[n].cpu(), p)],
             "buffers": [n for n, b in reference.named_buffers()

@@ -7,12 +7,15 @@ folders and configs refused in one line before any work."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from modelio_workers import SEED, meta_cases
+from shardlab import memory
 from shardlab.config import TrainConfig
+from shardlab.memory.planner import main as memory_main
 from shardlab.launch import launch
 from shardlab.modelio import build_on_meta, check_matches, read_model_config
 from shardlab.modelio.export import export_hf, main as export_main
@@ -20,6 +23,8 @@ from shardlab.models import build_model, get_batch
 
 transformers = pytest.importorskip("transformers")
 SKIPPED = "model.rotary_emb.inv_freq"
+MEASURED = ("ddp", "torch-fsdp2")  # the planner's prediction from config.json, checked
+COUNTER = 4  # Adam's step counter: one fp32 scalar per stepped tensor
 
 
 def write_folder(path, name, seed=SEED, config=None):
@@ -38,8 +43,8 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ran(folders, tmp_path_factory):
     """One launch on 2 ranks: every case, then a run that trains and saves."""
-    cases = [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s}
-             for s in ("ddp", "zero3", "fsdp2", "torch-fsdp2")]
+    cases = [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
+              "measure": s in MEASURED} for s in ("ddp", "zero3", "fsdp2", "torch-fsdp2")]
     cases += [{"model": "hf-gpt2", "folder": folders["hf-gpt2"], "strategy": s}
               for s in ("zero1", "fsdp2", "torch-fsdp2")]  # a tied head
     cases += [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
@@ -123,3 +128,28 @@ def test_init_from_a_mismatched_folder_names_the_first_mismatches(folders):
     with pytest.raises(ValueError, match="not in the model"):
         check_matches(folders["hf-llama"],
                       build_on_meta("hf-llama", {"num_hidden_layers": 1}))
+
+
+def test_the_planner_reads_a_config_json_and_predicts_the_bytes_measured(ran, folders, capsys):
+    """`plan` and `python -m shardlab memory --model config.json` on the reader's own
+    model: Ψ counted from the config alone is the model's, and the bytes it predicts per
+    rank are those each rank measured holding that model (fp32 AdamW, 2 ranks)."""
+    cases, out, _ = ran
+    config = memory.as_config(Path(folders["hf-llama"]) / "config.json")
+    model = build_model("hf-llama")
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    assert memory.as_config(model).num_params() == config.num_params()
+    tensors = len(list(model.parameters()))
+    for case, result in zip(cases, out["cases"]):
+        if not case.get("measure"):
+            continue
+        if case["strategy"] == "ddp":
+            want = memory.model_states(config.num_params(), 2, 0, "fp32", "adamw")
+        else:  # PyTorch's fully_shard: dim-0 rows; rank 0's share (launch returned rank 0)
+            want = memory.fsdp2_states_by_rank(config, 2, "fp32", "adamw")[0]
+        got = result["state_bytes"]
+        assert (got["params"], got["grads"], got["optimizer"]) == \
+            (want.params, want.grads, want.optimizer + COUNTER * tensors), case
+    assert len(memory.plan(str(Path(folders["hf-llama"]) / "config.json"), 80e9, 2)) > 0
+    assert memory_main(["--model", folders["hf-llama"], "--gpus", "2"]) == 0
+    assert "psi = 125,248 parameters" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardlab.memory.configs import read_config_json
 from shardlab.models import HF_MODELS
 from shardlab.strategy import Piece
 
@@ -45,21 +46,12 @@ def read_model_config(path: str | os.PathLike) -> dict:
     """The dict of a Hugging Face model's config.json (a file, or the folder holding it),
     refused in one line when it is not one: no such file, not JSON, or no `model_type`
     of a family the course builds."""
-    path = Path(path)
-    file = path / CONFIG if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"no {CONFIG} at {str(file)!r}: give a Hugging Face model folder "
-                         f"or its config.json")
-    try:
-        settings = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{str(file)!r} is not a JSON file ({exc}); give a Hugging Face "
-                         f"model's config.json") from None
+    settings = read_config_json(path)
     families = sorted({spec.family for spec in HF_MODELS.values()})
-    if not isinstance(settings, dict) or settings.get("model_type") not in families:
-        kind = settings.get("model_type") if isinstance(settings, dict) else None
-        raise ValueError(f"{str(file)!r} is not a model config the course builds "
-                         f"(model_type {kind!r}); it needs a model_type among {families}")
+    if settings.get("model_type") not in families:
+        raise ValueError(f"{str(path)!r} is not a model config the course builds "
+                         f"(model_type {settings.get('model_type')!r}); it needs a "
+                         f"model_type among {families}")
     return settings
 
 
