@@ -100,8 +100,8 @@ def test_an_interrupted_save_is_never_taken_and_is_cleaned_on_resume(runs):
     assert sorted(f.name for f in folder.iterdir()) == ["step-000003", "step-000006"]
     assert checkpoint.latest(folder).name == "step-000003"
     assert checkpoint.info(checkpoint.latest(folder)) == {
-        "step": 3, "world": 4, "strategy": "zero1", "model": "gpt-tiny", "precision": "fp32",
-        "optimizer": "adamw"}
+        "step": 3, "world": 4, "strategy": "zero1", "model": "gpt-tiny", "model_config": None,
+        "precision": "fp32", "optimizer": "adamw"}
     with pytest.raises(ValueError, match="not a complete shardlab checkpoint"):
         train_worker(TrainConfig(steps=1, resume=str(folder / "step-000006")))
 
