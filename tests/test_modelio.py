@@ -111,6 +111,9 @@ def test_a_config_that_is_not_a_model_config_is_refused(tmp_path):
         read_model_config(tmp_path)
     with pytest.raises(ValueError, match="not a model config"):
         TrainConfig(model="hf-llama", init_from=str(tmp_path)).validate()
+    with pytest.raises(SystemExit) as planned:  # the planner's command refuses it too
+        memory_main(["--model", str(tmp_path / "config.json"), "--gpus", "2"])
+    assert planned.value.code == 2
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not a JSON file"):
         read_model_config(tmp_path / "config.json")
