@@ -8,8 +8,8 @@
 
 The course's own strategies read every value while they wrap (they check that the ranks
 agree, and copy each value into its shard), so for them the order is to_empty, restore
-the buffers, read the whole file, then wrap: each rank holds the whole model once, as
-`shardlab.modelio.host_memory` measures.
+the buffers, read the whole file, then wrap: each rank holds the whole model once (no
+random init, though), until the strategy frees what is not its shard.
 
 Its trap is the third line. `to_empty` gives every tensor storage and no values, buffers
 too, and a buffer that is not `persistent` is in no checkpoint: Llama's rotary `inv_freq`
