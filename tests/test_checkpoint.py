@@ -100,8 +100,8 @@ def test_an_interrupted_save_is_never_taken_and_is_cleaned_on_resume(runs):
     assert sorted(f.name for f in folder.iterdir()) == ["step-000003", "step-000006"]
     assert checkpoint.latest(folder).name == "step-000003"
     assert checkpoint.info(checkpoint.latest(folder)) == {
-        "step": 3, "world": 4, "strategy": "zero1", "model": "gpt-tiny", "precision": "fp32",
-        "optimizer": "adamw"}
+        "step": 3, "world": 4, "strategy": "zero1", "model": "gpt-tiny", "model_config": None,
+        "precision": "fp32", "optimizer": "adamw"}
     with pytest.raises(ValueError, match="not a complete shardlab checkpoint"):
         train_worker(TrainConfig(steps=1, resume=str(folder / "step-000006")))
 
@@ -125,8 +125,10 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path)
     other = replace(config, model="gpt-small", save_every=0, resume=True, steps=2)
     with pytest.raises(ValueError, match=r"does not match the model: 'tok_emb.weight' has "
                                          r"shape \(256, 64\) in the checkpoint and "
-                                         r"\(256, 256\) in the model"):
+                                         r"\(256, 256\) in the model") as refused:
         train_worker(other)
+    message = str(refused.value)  # the first few mismatches, then how many more
+    assert message.count(" in the checkpoint and ") == 3 and " more; resume with" in message
 
 
 def test_resuming_needs_a_complete_checkpoint_and_saving_a_folder(tmp_path):

@@ -40,6 +40,10 @@ def refused(capsys, argv) -> str:
     (["--model", "hf-gpt2", "--model-config", "nlayer=2"], "unknown GPT2Config field"),
     (["--strategy", "zero1", "--world", "2", "--option", "bucket=3"], "unknown option"),
     (["--resume"], "no complete checkpoint that verifies"),
+    (["--init-from", "/nonexistent-folder"],
+     "--init-from loads a Hugging Face folder into an hf-* model, not 'gpt-tiny'"),
+    (["--model", "hf-llama", "--init-from", "/nonexistent-folder"],
+     "no config.json at '/nonexistent-folder'"),
 ])
 def test_bad_input_is_refused_in_one_line(capsys, tmp_path, argv, message):
     if "--resume" in argv:

@@ -35,7 +35,8 @@ LAYERS = {
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
     4: {"viz", "report",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
-        "checkpoint.failures", "checkpoint.lock"},
+        "checkpoint.failures", "checkpoint.lock",
+        "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
     5: {"config", "train", "demo", "cli", "__main__", "hang_runs"},
 }
 

@@ -10,6 +10,8 @@ COMMANDS = {
     "train": ("shardlab.cli", "train a small GPT with any strategy (launcher or torchrun)"),
     "rendezvous": ("shardlab.rendezvous", "wait until node 0's torchrun answers at "
                                          "HOST:PORT (run on the other nodes first)"),
+    "export": ("shardlab.modelio.export", "a checkpoint as a Hugging Face folder "
+                                          "(config.json, model.safetensors)"),
 }
 
 

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write a torch.profiler trace of one steady step into DIR, one "
                         "Chrome/Perfetto file per rank (open in ui.perfetto.dev)")
+    p.add_argument("--init-from", metavar="HF_DIR",
+                   help="start from the weights of a Hugging Face folder (config.json, "
+                        "model.safetensors) of --model, read into the shards through the "
+                        "meta device")
     p.add_argument("--export", metavar="PATH",
                    help="after training, write the full unsharded state dict (torch.save)")
     return p
@@ -117,7 +121,7 @@ _FLAG_WORDS = [
     (r"\bresume=False\b", "no --resume"),
     (r"\b(precision|optimizer)='([^']*)'", r"--\1 \2"),
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
-     r"trust_checkpoint|resume_world|slow_rank|slow_seconds)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
+     r"trust_checkpoint|resume_world|slow_rank|slow_seconds|init_from)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
     (r"\bexport_path\b", "--export"),
     (r"\bprofile_dir\b", "--profile"),
     (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),
@@ -189,6 +193,7 @@ def _config(args) -> TrainConfig:
                        measure_memory=not args.no_memory, record_ledger=not args.no_ledger,
                        save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
                        resume=args.resume, export_path=args.export,
+                       init_from=args.init_from,
                        model_config=dict(args.model_config) or None,
                        trust_checkpoint=args.trust_checkpoint, profile_dir=args.profile,
                        slow_rank=args.slow_rank, slow_seconds=args.slow_seconds)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardlab import checkpoint
+from shardlab import checkpoint, modelio
 from shardlab.debugging import check_memory_limit, check_straggler
-from shardlab.models import MODEL_NAMES, check_batch_split, corpus_tokens, longest_sequence
+from shardlab.models import HF_MODELS, MODEL_NAMES, check_batch_split, corpus_tokens, longest_sequence
 from shardlab.precision import get_precision
 from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_strategy,
                                optimizer_spec)
@@ -69,6 +69,10 @@ class TrainConfig:
     # A folder for a torch.profiler trace of one steady step (the next to last), one
     # Chrome/Perfetto trace file per rank: rank0.json, rank1.json, ...
     profile_dir: str | None = None
+    # Start from pretrained weights: a Hugging Face folder (config.json, model.safetensors)
+    # of `model` with `model_config`, read into the shards through the meta device
+    # (`shardlab.modelio`): each rank reads its own pieces, no rank initializes weights.
+    init_from: str | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -129,11 +133,31 @@ class TrainConfig:
         if refusal:
             raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
                              f"shardlab's checkpoints: {refusal}")
+        if self.init_from is not None:
+            self._check_init_from()
         if self.save_every:
             check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
         if self.export_path:
             check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
         return self
+
+    def _check_init_from(self) -> None:
+        """The folder holds a model config and this model's names and shapes (read from
+        its header and a model built on meta: nothing is allocated or loaded here)."""
+        if self.model not in HF_MODELS:
+            raise ValueError(f"init_from loads a Hugging Face folder into an hf-* model, "
+                             f"not {self.model!r}; use one of {list(HF_MODELS)}")
+        if self.resume:
+            raise ValueError("init_from and resume both give the starting weights; ask "
+                             "for one of them")
+        settings = modelio.read_model_config(self.init_from)
+        family = HF_MODELS[self.model].family
+        if settings["model_type"] != family:
+            raise ValueError(f"init_from {self.init_from!r} holds a {settings['model_type']} "
+                             f"model, and model {self.model!r} is {family}; use the hf-* "
+                             f"model of its family")
+        modelio.check_matches(self.init_from,
+                              modelio.build_on_meta(self.model, self.model_config))
 
     def _check_seq_len(self) -> None:
         if self.model_config is not None and not isinstance(self.model_config, dict):

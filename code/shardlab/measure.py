@@ -275,3 +275,32 @@ class _DeclaredState(torch.optim.Optimizer):
     def __init__(self, tensors: list[torch.Tensor]):  # noqa: D107 - no super(): no params
         self.state = {i: {"tensor": t} for i, t in enumerate(tensors)}
         self.param_groups = []
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field} (not Linux?)")
+
+
+def host_rss_bytes() -> int:
+    """This process's resident host memory now (VmRSS), in bytes (Linux)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident host memory (VmHWM) since it started or since
+    `reset_host_peak`, in bytes (Linux)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_host_peak() -> None:
+    """Start the peak over from the memory resident now (Linux's clear_refs, value 5):
+    a forked rank inherits its parent's peak otherwise."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")

@@ -234,17 +234,21 @@ HF_MODELS = {
 MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS) + tuple(HF_MODELS)
 
 
-def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
+def hf_classes(family: str) -> tuple[type, type]:
+    """(config class, model class) of a family of HF_MODELS, by its `model_type`."""
     try:
         import transformers
     except ImportError:
         raise ValueError("the hf-* models need Hugging Face transformers: "
                          "pip install transformers") from None
-    config_class, model_class = {
-        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "bert": (transformers.BertConfig, transformers.BertForMaskedLM),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[spec.family]
+    return {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "bert": (transformers.BertConfig, transformers.BertForMaskedLM),
+            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[family]
+
+
+def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
+    config_class, model_class = hf_classes(spec.family)
     known = config_class().to_dict()
     unknown = sorted(set(overrides or {}) - set(known))
     if unknown:  # a Hugging Face config keeps any keyword silently: refuse a typo here

@@ -45,6 +45,7 @@ from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placemen
                              whereabouts)
 from shardlab.launch.quiet import quiet_stderr
 from shardlab.measure import state_bytes, track_peak
+from shardlab.modelio import build_on_meta, wrap_on_meta
 from shardlab.clock import StepClock
 from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
 from shardlab.models import build_model, get_batch, loss_fn
@@ -110,17 +111,27 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     if config.memory_limit is not None:
         check_memory_limit(config.memory_limit)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, config.seed, config.model_config).to(device)
-    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    tokens = config.batch_size // world * config.seq_len  # this rank's, all micro-batches
-    # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
-    rate = matmul_rate(model, tokens // config.grad_accum, device=device)
     precision = get_precision(config.precision)
-    if config.recompute:  # before wrapping: a strategy's hooks then run inside it
-        recompute_units(model)
-    wrapped = get_strategy(config.strategy)(model, precision,
-                                            optimizer_spec(config.optimizer, config.lr),
-                                            dict(config.options))
+    before_wrap = recompute_units if config.recompute else None  # hooks run inside it
+    tokens = config.batch_size // world * config.seq_len  # this rank's, all micro-batches
+    if config.init_from:  # pretrained: built on meta, each rank reads its pieces
+        shapes = build_on_meta(config.model, config.model_config)
+        psi = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+        # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
+        rate = matmul_rate(shapes, tokens // config.grad_accum, device=device)
+        wrapped = wrap_on_meta(config.model, config.model_config, config.strategy,
+                               precision, optimizer_spec(config.optimizer, config.lr),
+                               config.options, device, config.init_from,
+                               before_wrap=before_wrap)
+    else:
+        model = build_model(config.model, config.seed, config.model_config).to(device)
+        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        rate = matmul_rate(model, tokens // config.grad_accum, device=device)
+        if before_wrap is not None:
+            before_wrap(model)
+        wrapped = get_strategy(config.strategy)(model, precision,
+                                                optimizer_spec(config.optimizer, config.lr),
+                                                dict(config.options))
     load_start = time.perf_counter()
     first_step = _resume(config, wrapped)
     load_seconds = time.perf_counter() - load_start if config.resume else None
@@ -270,6 +281,7 @@ def _save(config: TrainConfig, step: int, wrapped: Wrapped, ledger: Ledger | Non
     kept = len(ledger.records) if ledger is not None else 0
     checkpoint.save(config.checkpoint_dir, step, wrapped,
                     {"strategy": config.strategy, "model": config.model,
+                     "model_config": config.model_config,
                      "precision": config.precision, "optimizer": config.optimizer})
     if ledger is not None:  # the ledger holds the strategy's traffic, not the save's
         del ledger.records[kept:]

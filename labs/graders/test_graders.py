@@ -1,5 +1,5 @@
 """Each grader passes its lab's worked solution and rejects a known-wrong answer, in one
-launch per exercise: `pytest labs/graders -k ring` (or ddp, zero1, fsdp_unit, checkpoint).
+launch per exercise: `pytest labs/graders -k ring` (or ddp, zero1, fsdp_unit, checkpoint, rows).
 
 The solutions are read from the labs' solution cells (graders/solutions.py), so what is
 graded here is what a reader reveals."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from graders import checkpoint, ddp, fsdp_unit, ring, solutions, wrong, zero1
+from graders import checkpoint, ddp, fsdp_unit, ring, rows, solutions, wrong, zero1
 from graders.common import PASS, grade_on_ranks
 
 EXERCISES = {
@@ -26,6 +26,8 @@ EXERCISES = {
     "checkpoint": (checkpoint, 2, "07-crash-and-resume.ipynb",
                    ("save_sharded", "load_sharded"), wrong.CHECKPOINT,
                    "rank 1, tensor 'weight' loaded: element 0 (bytes 0-3)"),
+    "rows": (rows, 2, "10-pretrained-into-shards.ipynb", ("read_my_rows",), wrong.ROWS,
+             "rank 0, embed.weight: returned shape (2, 4), fully_shard's shard has (3, 4)"),
 }
 
 
@@ -34,7 +36,7 @@ def test_grader_passes_the_solution_and_rejects_a_wrong_answer(name, tmp_path):
     grader, world, lab, names, wrong_answer, rejection = EXERCISES[name]
     solution = solutions.load(lab, *names)
     candidates = [solution if len(names) > 1 else solution[0], wrong_answer]
-    args = (str(tmp_path),) if grader is checkpoint else ()
+    args = (str(tmp_path),) if grader in (checkpoint, rows) else ()
     (passed, _), (rejected, _) = grade_on_ranks(grader.check, world, candidates, *args)
     assert passed == PASS, f"the solution of {lab} fails its grader: {passed}"
     assert rejected != PASS, f"the {name} grader passes a wrong answer"

@@ -97,3 +97,18 @@ def load_the_one_file(folder):
 
 
 CHECKPOINT = (save_rank0_only, load_the_one_file)
+
+
+# rows: floor(d0/N) rows a rank, the rest to the last (not torch.chunk's ceil(d0/N))
+def read_rows_floor(path, name):
+    import torch.distributed as dist
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        rows = f.get_slice(name)
+        d0 = rows.get_shape()[0]
+        per, rank, world = d0 // dist.get_world_size(), dist.get_rank(), dist.get_world_size()
+        stop = d0 if rank == world - 1 else (rank + 1) * per
+        return rows[rank * per:stop]
+
+
+ROWS = read_rows_floor

@@ -153,26 +153,29 @@ def _save(root: Path, step: int, wrapped, extra: dict) -> Path:
 
 
 def _check_matches(folder: Path, metadata, state: dict) -> None:
-    """Refuse a checkpoint of another model, naming the first tensor that differs."""
+    """Refuse a checkpoint of another model, naming the first few tensors that differ."""
     saved = metadata.state_dict_metadata
+    found = []
     for key, value in state.items():
         if not key.startswith("model."):
             continue
+        name = key.split(".", 1)[1]
         if key not in saved:
-            raise CheckpointError(f"checkpoint {folder} does not match the model: it has no "
-                                  f"{key.split('.', 1)[1]!r}; resume with the model it was "
-                                  f"saved from")
+            found.append(f"it has no {name!r}")
+            continue
         size = tuple(value.size())
         have = tuple(getattr(saved[key], "size", ()))
         if have != size:
-            raise CheckpointError(f"checkpoint {folder} does not match the model: "
-                                  f"{key.split('.', 1)[1]!r} has shape {have} in the "
-                                  f"checkpoint and {size} in the model")
-    extra = sorted(k.split(".", 1)[1] for k in saved
-                   if k.startswith("model.") and k not in state)
-    if extra:
-        raise CheckpointError(f"checkpoint {folder} does not match the model: it has "
-                              f"{extra[0]!r}, which the model lacks")
+            found.append(f"{name!r} has shape {have} in the checkpoint and {size} in the "
+                         f"model")
+    found += [f"it has {k.split('.', 1)[1]!r}, which the model lacks" for k in sorted(saved)
+              if k.startswith("model.") and k not in state]
+    if found:
+        shown = 3
+        more = f" and {len(found) - shown} more" if len(found) > shown else ""
+        raise CheckpointError(f"checkpoint {folder} does not match the model: "
+                              f"{'; '.join(found[:shown])}{more}; resume with the model it "
+                              f"was saved from")
     missing = sorted(k for k in state if k.startswith("optim.state.") and k not in saved)
     if missing:
         raise CheckpointError(f"checkpoint {folder} holds no optimizer state "

@@ -8,7 +8,10 @@ only its Ψ.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -142,5 +145,75 @@ def num_params(model: str | ModelConfig) -> int:
     return (get_model(model) if isinstance(model, str) else model).num_params()
 
 
-def as_config(model: str | ModelConfig) -> ModelConfig:
-    return get_model(model) if isinstance(model, str) else model
+def read_config_json(path) -> dict:
+    """The dict of a config.json (a file, or the folder holding it), refused in one line
+    when there is no such file or it is not a JSON object."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"no config.json at {str(file)!r}: give a Hugging Face model "
+                         f"folder or its config.json")
+    try:
+        settings = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(file)!r} is not a JSON file ({exc}); give a Hugging Face "
+                         f"model's config.json") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(settings).__name__}, not a "
+                         f"model config (an object with a model_type)")
+    return settings
+
+
+# model_type -> the style of ModelConfig that counts its parameters
+HF_STYLES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "mixtral": "llama"}
+
+
+def from_hf_config(settings: dict, name: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config (its config.json's dict): GPT-2, and the
+    Llama family (Llama, Mistral, Mixtral's experts)."""
+    kind = settings.get("model_type")
+    if kind not in HF_STYLES:
+        raise ValueError(f"{name} is not a model config the planner counts (model_type "
+                         f"{kind!r}); it needs a model_type among {sorted(HF_STYLES)}")
+    try:
+        if kind == "gpt2":
+            hidden = settings["n_embd"]
+            return ModelConfig(name, "gpt2", settings["n_layer"], hidden, settings["n_head"],
+                               settings["n_head"], settings.get("n_inner") or 4 * hidden,
+                               settings["vocab_size"],
+                               tied=settings.get("tie_word_embeddings", True),
+                               positions=settings["n_positions"])
+        heads = settings["num_attention_heads"]
+        return ModelConfig(name, "llama", settings["num_hidden_layers"],
+                           settings["hidden_size"], heads,
+                           settings.get("num_key_value_heads") or heads,
+                           settings["intermediate_size"], settings["vocab_size"],
+                           tied=bool(settings.get("tie_word_embeddings", False)),
+                           experts=settings.get("num_local_experts", 1),
+                           top_k=settings.get("num_experts_per_tok", 1))
+    except KeyError as exc:
+        raise ValueError(f"{name} ({kind}) has no {exc.args[0]!r}: not a complete model "
+                         f"config") from None
+
+
+def as_config(model) -> ModelConfig:
+    """A ModelConfig from what a reader has: a preset's name, a ModelConfig, the path of
+    a Hugging Face config.json (or its folder), its dict, a `transformers` config, or a
+    model that carries one (`model.config`, as every `transformers` model does)."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str) and model in MODELS:
+        return MODELS[model]
+    if isinstance(model, (str, os.PathLike)):
+        if isinstance(model, str) and not model.endswith(".json") \
+                and not Path(model).exists():
+            return get_model(model)  # an unknown preset: refused by its name
+        return from_hf_config(read_config_json(model), Path(model).name)
+    if isinstance(model, dict):
+        return from_hf_config(model)
+    config = getattr(model, "config", model)
+    if hasattr(config, "to_dict"):
+        return from_hf_config(config.to_dict(), type(config).__name__)
+    raise ValueError(f"cannot plan a {type(model).__name__}: give a preset name, a "
+                     f"ModelConfig, a Hugging Face config.json (path, dict or object) or a "
+                     f"model with a .config")

@@ -84,10 +84,13 @@ class PlanRow:
         return self.total <= self.memory
 
 
-def plan(model: str | ModelConfig, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
+def plan(model, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
          precision: str = "bf16-mixed", optimizer: str = "adamw", prefetch: bool = True,
          attention: str = "sdpa") -> list[PlanRow]:
     """Every stage x recomputation x offload for one model on N GPUs of `memory_bytes`.
+
+    `model`: a preset's name, a ModelConfig, or the reader's own model: a Hugging Face
+    config.json (its path, its dict, a `transformers` config) or a model carrying one.
 
     `batch` is the micro-batch per rank. A row's activations are exactly
     `activation_bytes(model, batch, seq, checkpointing, attention)`; stage 3 adds
@@ -143,7 +146,9 @@ def table(psi, world: int, precision: str, optimizer: str, unit: str = "GB") -> 
 def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardlab memory",
                                 description="Per-rank memory of every ZeRO stage, and what fits.")
-    p.add_argument("--model", required=True, choices=list(MODELS))
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(MODELS)}) or the path of a Hugging Face "
+                        f"config.json (or its folder)")
     p.add_argument("--gpus", type=int, required=True, help="N, the data-parallel ranks")
     p.add_argument("--gpu-memory", default="80GB", help="per GPU, e.g. 80GB or 80GiB")
     p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
@@ -157,7 +162,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         memory = parse_bytes(args.gpu_memory)
         check_world(args.gpus)
-        cfg = get_model(args.model)
+        cfg = as_config(args.model)
         rows = plan(cfg, memory, args.gpus, args.batch, args.seq, args.precision, args.optimizer,
                     attention=args.attention)
     except ValueError as exc:
