@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from shardlab.memory.activations import ATTENTION, CHECKPOINTING, activation_bytes
-from shardlab.memory.configs import MODELS, ModelConfig, as_config, get_model
+from shardlab.memory.configs import MODELS, ModelConfig, as_config
 from shardlab.memory.dim0 import dim0_states_per_rank
 from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
                                     GiB, bytes_per_param, check_choice, check_positive,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from shardlab.launch import rank_device
