@@ -20,7 +20,7 @@ from typing import Any
 
 from shardlab.launch import (BACKENDS, DEVICES, LaunchError, RankFailed, check_world,
                              first_to_say, under_torchrun)
-from shardlab.models import MODEL_NAMES, build_model
+from shardlab.models import LOSS_MEANS, MODEL_NAMES, build_model
 from shardlab.report import report_to_json, summary_table, whereabouts_lines
 from shardlab.strategy import OPTIMIZERS, STRATEGIES
 from shardlab.config import TrainConfig, check_writable_folder
@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "meta device")
     p.add_argument("--export", metavar="PATH",
                    help="after training, write the full unsharded state dict (torch.save)")
+    p.add_argument("--clip-norm", type=float, default=None, metavar="NORM",
+                   help="clip the gradients to this global norm before each step")
+    p.add_argument("--loss-mean", default=defaults.loss_mean, choices=list(LOSS_MEANS),
+                   help="'tokens': the summed loss over the global count of tokens; "
+                        "'per-batch': the naive mean of the micro-batches' and ranks' means")
+    p.add_argument("--variable-lengths", action="store_true",
+                   help="rows of different lengths, padded with ignored tokens (label -100)")
     return p
 
 
@@ -196,7 +203,9 @@ def _config(args) -> TrainConfig:
                        init_from=args.init_from,
                        model_config=dict(args.model_config) or None,
                        trust_checkpoint=args.trust_checkpoint, profile_dir=args.profile,
-                       slow_rank=args.slow_rank, slow_seconds=args.slow_seconds)
+                       slow_rank=args.slow_rank, slow_seconds=args.slow_seconds,
+                       clip_norm=args.clip_norm, loss_mean=args.loss_mean,
+                       variable_lengths=args.variable_lengths)
 
 
 def _main(args) -> int:

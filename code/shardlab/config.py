@@ -18,7 +18,8 @@ from typing import Any
 
 from shardlab import checkpoint, modelio
 from shardlab.debugging import check_memory_limit, check_straggler
-from shardlab.models import HF_MODELS, MODEL_NAMES, check_batch_split, corpus_tokens, longest_sequence
+from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
+                             corpus_tokens, longest_sequence)
 from shardlab.precision import get_precision
 from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_strategy,
                                optimizer_spec)
@@ -73,12 +74,33 @@ class TrainConfig:
     # of `model` with `model_config`, read into the shards through the meta device
     # (`shardlab.modelio`): each rank reads its own pieces, no rank initializes weights.
     init_from: str | None = None
+    # As real jobs train (chapter 10): clip the gradients to this global norm before each
+    # step (None: no clipping); average the loss over the global count of tokens
+    # ("tokens") or naively over micro-batches and ranks ("per-batch"); batches whose rows
+    # have different lengths, padded with ignored tokens (label -100).
+    clip_norm: float | None = None
+    loss_mean: str = "tokens"
+    variable_lengths: bool = False
+    # The mistake rehearsed on purpose (shardlab.debugging): each rank clips by the norm
+    # of its own gradient shard instead of the global norm.
+    clip_local_norm: bool = False
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
         get_strategy(self.strategy)
         get_precision(self.precision)
-        optimizer_spec(self.optimizer, self.lr)
+        optimizer_spec(self.optimizer, self.lr, self.clip_norm)
+        check_loss_mean(self.loss_mean)
+        for name in ("variable_lengths", "clip_local_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.clip_local_norm and self.clip_norm is None:
+            raise ValueError("clip_local_norm (the mistake of clipping by each rank's own "
+                             "norm) needs clip_norm, the norm to clip to")
+        if self.clip_local_norm and self.strategy.startswith(("torch-", "deepspeed-")):
+            raise ValueError(f"clip_local_norm is a mistake rehearsed with the course's "
+                             f"strategies; {self.strategy!r} clips with its own library's "
+                             f"global norm: use one of ddp, zero1, zero2, zero3, fsdp2")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \

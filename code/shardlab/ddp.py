@@ -283,8 +283,9 @@ def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerS
     check_options("ddp-naive", options, {})
     model = cast_model(model, precision)
     ddp = NaiveDataParallel(model)
-    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                      module=model, no_sync=ddp.no_sync)
+    opt = build_optimizer(model.parameters(), precision, optimizer)
+    return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
+                      clip=optimizer.clip_steps(opt, sharded=False))
 
 
 def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -292,8 +293,9 @@ def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     opts = check_options("ddp", options, {"bucket_mb": 25.0, "first_bucket_mb": 1.0})
     model = cast_model(model, precision)
     ddp = BucketedDataParallel(model, float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
-    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                      module=model, no_sync=ddp.no_sync)
+    opt = build_optimizer(model.parameters(), precision, optimizer)
+    return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
+                      clip=optimizer.clip_steps(opt, sharded=False))
 
 
 def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -310,8 +312,9 @@ def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerS
         model, device_ids=device_ids, bucket_cap_mb=float(opts["bucket_mb"]),
         find_unused_parameters=bool(opts["find_unused_parameters"]),
         gradient_as_bucket_view=bool(opts["gradient_as_bucket_view"]))
-    return replicated(ddp, build_optimizer(model.parameters(), precision, optimizer),
-                      module=model, no_sync=ddp.no_sync)
+    opt = build_optimizer(model.parameters(), precision, optimizer)
+    return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
+                      clip=optimizer.torch_clip_steps(opt))
 
 
 # ----------------------------------------------------------------------------- timeline

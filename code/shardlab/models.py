@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB_SIZE = 256  # byte-level tokens
+IGNORE_INDEX = -100  # the label of a padding token: the loss skips it (PyTorch's default)
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
 
@@ -291,11 +292,44 @@ def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy, mean over the local batch. Computed in fp32 even for bf16 logits, so
+def loss_fn(output, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the tokens whose label is not `IGNORE_INDEX` (padding): their
+    mean over the local batch, or their sum. Computed in fp32 even for bf16 logits, so
     the loss (and the first gradient) does not lose digits to the low-precision format."""
     logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+# How a step's loss is averaged (TrainConfig.loss_mean).
+LOSS_MEANS = ("tokens", "per-batch")
+
+
+def check_loss_mean(loss_mean) -> str:
+    if loss_mean not in LOSS_MEANS:
+        raise ValueError(f"loss_mean must be one of {list(LOSS_MEANS)} ('tokens': the summed "
+                         f"loss over the global count of tokens), got {loss_mean!r}")
+    return loss_mean
+
+
+def micro_batch_loss(output, y: torch.Tensor, loss_mean: str, world: int, micro_steps: int,
+                     global_tokens: int) -> torch.Tensor:
+    """The loss of one micro-batch on one rank, scaled so that the gradients the ranks
+    average (every strategy, ours and the references, divides their sum by N) are the
+    gradient of the step's loss.
+
+    "tokens": the step's loss is the sum over every token of every rank's micro-batches
+    divided by `global_tokens`, their count; each micro-batch contributes its summed loss
+    / global_tokens, times N to undo the strategies' division by N (torchtitan does the
+    same the other way round: it turns FSDP's division off). One process over the whole
+    batch computes exactly this loss.
+    "per-batch": the mean of the micro-batches' and ranks' own means, the naive way. With
+    micro-batches holding different counts of tokens (padding), a token of a short
+    micro-batch weighs more than one of a long one: the loss and its gradient are not
+    those of one process over the whole batch."""
+    if loss_mean == "tokens":
+        return loss_fn(output, y, "sum") * (world / global_tokens)
+    return loss_fn(output, y) / micro_steps
 
 
 # ----------------------------------------------------------------------------- data
@@ -335,8 +369,31 @@ def check_batch_split(batch_size: int, world: int, micro_steps: int = 1) -> None
                          f"batch_size that is a multiple of {world * micro_steps}")
 
 
+def row_lengths(step: int, batch_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """How many real tokens each row of step `step`'s global batch holds, with
+    `variable_lengths`: drawn from (seed, step) between seq_len/8 and seq_len, the rest of
+    the row padding. A pure function of its arguments, so every rank can read the whole
+    batch's lengths without a collective."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 500_009)
+    return torch.randint(max(1, seq_len // 8), seq_len + 1, (batch_size,), generator=gen,
+                         device="cpu")
+
+
+def global_token_count(step: int, batch_size: int, seq_len: int, seed: int = 0,
+                       variable_lengths: bool = False) -> int:
+    """The tokens the loss counts in step `step`'s global batch (every rank, every
+    micro-batch). Read from the batch itself, which every rank can draw because the data
+    is a function of (seed, step): no all-reduce of the count before backward, so the
+    ledger holds the strategy's traffic only. A data loader that sees only its own rank's
+    rows would all-reduce its count (one scalar) instead, as torchtitan does."""
+    if not variable_lengths:
+        return batch_size * seq_len
+    return int(row_lengths(step, batch_size, seq_len, seed).sum())
+
+
 def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, seed: int = 0,
-              micro: int = 0, micro_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+              micro: int = 0, micro_steps: int = 1,
+              variable_lengths: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of micro-batch `micro` of step `step`'s global batch.
 
     The global batch of a step is `batch_size` windows of `seq_len + 1` bytes at offsets
@@ -344,6 +401,9 @@ def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, s
     micro-batch m the m-th equal slice of those, so that, whatever `world` and
     `micro_steps` are, all ranks' micro-batches together are exactly the same rows.
     Returns (x, y) of shape (B / (N * micro_steps), seq_len), y shifted by one token.
+    With `variable_lengths`, row i holds `row_lengths(...)[i]` real tokens, and the rest
+    is padding: token 0 in x, `IGNORE_INDEX` in y (at the end of the row, so a causal
+    model's real tokens never attend to it).
     """
     check_batch_split(batch_size, world, micro_steps)
     if not 0 <= rank < world or not 0 <= micro < micro_steps:
@@ -356,4 +416,9 @@ def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, s
     rows = batch_size // (world * micro_steps)
     first = rank * (batch_size // world) + micro * rows
     windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets[first:first + rows]])
-    return windows[:, :-1], windows[:, 1:]
+    x, y = windows[:, :-1], windows[:, 1:]
+    if variable_lengths:
+        lengths = row_lengths(step, batch_size, seq_len, seed)[first:first + rows]
+        padding = torch.arange(seq_len) >= lengths[:, None]
+        x, y = x.masked_fill(padding, 0), y.masked_fill(padding, IGNORE_INDEX)
+    return x, y

@@ -96,6 +96,8 @@ class RunReport:
     # matmul rate on the model's shapes, measured at the run's start (`steptime.matmul_rate`)
     model_flops_per_step: float = 0.0
     matmul_flops: float = 0.0
+    # each step's global gradient norm before clipping (TrainConfig.clip_norm; [] without)
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:

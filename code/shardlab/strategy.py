@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab.clip import (GradClip, check_clip_norm, clip_before_step,
+                           torch_clip_before_step)
 from shardlab.launch import rank_device
 from shardlab.measure import local_tensor
 from shardlab.precision import MasterWeightOptimizer, Precision
@@ -44,13 +46,44 @@ from shardlab.precision import MasterWeightOptimizer, Precision
 @dataclass
 class OptimizerSpec:
     """Which torch.optim class to build, and with what arguments, over whatever
-    parameters (or shards, or fp32 master copies) a strategy decides to optimize."""
+    parameters (or shards, or fp32 master copies) a strategy decides to optimize; and
+    the global norm its gradients are clipped to before each step (None: no clipping).
+
+    Clipping belongs to the step, not to the loop: the gradients it must scale exist only
+    inside some strategies' step (ZeRO-1 reduce-scatters there), and DeepSpeed's engine
+    clips in its own step (its `gradient_clipping`)."""
 
     cls: type[torch.optim.Optimizer]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    clip_norm: float | None = None
+    # The mistake `shardlab.debugging` shows: each rank clips by its own shard's norm.
+    clip_local_norm: bool = False
 
     def build(self, params) -> torch.optim.Optimizer:
         return self.cls(params, **self.kwargs)
+
+    def clipper(self, *, sharded: bool, group=None) -> GradClip | None:
+        """The clipping of this spec for gradients that are this rank's share
+        (`sharded`) or all of them; None without clipping."""
+        if self.clip_norm is None:
+            return None
+        return GradClip(self.clip_norm, sharded=sharded, group=group,
+                        local=self.clip_local_norm)
+
+    def clip_steps(self, optimizer: torch.optim.Optimizer, *,
+                   sharded: bool) -> GradClip | None:
+        """Clip what `optimizer` steps before each of its steps (see `shardlab.clip`)."""
+        clip = self.clipper(sharded=sharded)
+        return None if clip is None else clip_before_step(inner_optimizer(optimizer), clip)
+
+    def torch_clip_steps(self, optimizer) -> GradClip | None:
+        """The references' clipping: PyTorch's own `clip_grad_norm_` over what `optimizer`
+        steps (DTensors under PyTorch's `fully_shard`), before each of its steps."""
+        if self.clip_norm is None:
+            return None
+        inner = inner_optimizer(optimizer)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        return torch_clip_before_step(inner, params, self.clip_norm)
 
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -60,11 +93,13 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 }
 
 
-def optimizer_spec(name: str, lr: float) -> OptimizerSpec:
+def optimizer_spec(name: str, lr: float, clip_norm: float | None = None,
+                   clip_local_norm: bool = False) -> OptimizerSpec:
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; use one of {sorted(OPTIMIZERS)}")
     cls, kwargs = OPTIMIZERS[name]
-    return OptimizerSpec(cls, {"lr": lr, **kwargs})
+    return OptimizerSpec(cls, {"lr": lr, **kwargs}, check_clip_norm(clip_norm),
+                         bool(clip_local_norm))
 
 
 def build_optimizer(params, precision: Precision, spec: OptimizerSpec):
@@ -235,6 +270,9 @@ class Wrapped:
     # The user's module inside any wrapper (DistributedDataParallel's `.module`): where
     # the parameters' names and the buffers are read.
     module: nn.Module | None = None
+    # The clipping of the gradients before each step (`OptimizerSpec.clip_norm`): its
+    # `norms` are each step's global norm before clipping. None: no clipping.
+    clip: GradClip | None = None
     checkpoint_refusal: str = (
         "this Wrapped declares no checkpoint layout (`pieces`): build it with "
         "shardlab.strategy.get_strategy(name), or pass pieces=lambda: ... with "
@@ -386,4 +424,5 @@ def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec
     """The reference: the model as it is, one process, the whole global batch."""
     check_options("single", options, {})
     model = cast_model(model, precision)
-    return replicated(model, build_optimizer(model.parameters(), precision, optimizer))
+    opt = build_optimizer(model.parameters(), precision, optimizer)
+    return replicated(model, opt, clip=optimizer.clip_steps(opt, sharded=False))

@@ -48,7 +48,7 @@ from shardlab.measure import state_bytes, track_peak
 from shardlab.modelio import build_on_meta, wrap_on_meta
 from shardlab.clock import StepClock
 from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_roots
-from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.models import build_model, get_batch, global_token_count, micro_batch_loss
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
 from shardlab.steptime import matmul_rate
@@ -113,6 +113,8 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     torch.manual_seed(config.seed)
     precision = get_precision(config.precision)
     before_wrap = recompute_units if config.recompute else None  # hooks run inside it
+    spec = optimizer_spec(config.optimizer, config.lr, config.clip_norm,
+                          config.clip_local_norm)
     tokens = config.batch_size // world * config.seq_len  # this rank's, all micro-batches
     if config.init_from:  # pretrained: built on meta, each rank reads its pieces
         shapes = build_on_meta(config.model, config.model_config)
@@ -120,8 +122,7 @@ def train_worker(config: TrainConfig, progress: str | None = None,
         # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
         rate = matmul_rate(shapes, tokens // config.grad_accum, device=device)
         wrapped = wrap_on_meta(config.model, config.model_config, config.strategy,
-                               precision, optimizer_spec(config.optimizer, config.lr),
-                               config.options, device, config.init_from,
+                               precision, spec, config.options, device, config.init_from,
                                before_wrap=before_wrap)
     else:
         model = build_model(config.model, config.seed, config.model_config).to(device)
@@ -129,8 +130,7 @@ def train_worker(config: TrainConfig, progress: str | None = None,
         rate = matmul_rate(model, tokens // config.grad_accum, device=device)
         if before_wrap is not None:
             before_wrap(model)
-        wrapped = get_strategy(config.strategy)(model, precision,
-                                                optimizer_spec(config.optimizer, config.lr),
+        wrapped = get_strategy(config.strategy)(model, precision, spec,
                                                 dict(config.options))
     load_start = time.perf_counter()
     first_step = _resume(config, wrapped)
@@ -168,16 +168,20 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                     with clock.phase("injected delay"):
                         straggle(delay)
                 step_loss = torch.zeros((), device=device)
+                counted = global_token_count(step, config.batch_size, config.seq_len,
+                                             config.seed, config.variable_lengths)
                 for micro in range(config.grad_accum):
                     if micro and tracked is not None:
                         tracked.next_forward()
                     x, y = get_batch(step, rank, world, config.batch_size, config.seq_len,
-                                     config.seed, micro, config.grad_accum)
+                                     config.seed, micro, config.grad_accum,
+                                     config.variable_lengths)
                     x, y = x.to(device), y.to(device)
                     sync = micro == config.grad_accum - 1
                     with contextlib.nullcontext() if sync else wrapped.no_sync():
                         with clock.phase("forward"):
-                            loss = loss_fn(wrapped.model(x), y) / config.grad_accum
+                            loss = micro_batch_loss(wrapped.model(x), y, config.loss_mean,
+                                                    world, config.grad_accum, counted)
                         clock.watch_backward(loss)
                         with clock.phase("backward"):
                             wrapped.backward(loss)
@@ -212,7 +216,9 @@ def train_worker(config: TrainConfig, progress: str | None = None,
         crossing = watched.crossing if watched is not None else None
         if crossing is not None:
             crossing.step = config.steps - 1
-    # The global-batch loss: the mean of the ranks' means (equal row counts). Gathered
+    # The global-batch loss: the mean of the ranks' losses (under loss_mean "tokens" each
+    # rank's is its summed loss x N / the global token count, so their mean is the
+    # global-token mean; under "per-batch", the mean of the ranks' means). Gathered
     # once, after the ledger has closed, so that the ledger holds the strategy's traffic
     # and nothing else; and summed here in rank order, not by an all-reduce, whose order
     # of addition depends on how many losses there are (a run resumed halfway would then
@@ -239,7 +245,8 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      memory_limit_crossing=None if crossing is None else str(crossing),
                      node=here.node, host=here.host, local_rank=here.local_rank,
                      local_world=here.local_world,
-                     model_flops_per_step=6 * psi * tokens, matmul_flops=rate)
+                     model_flops_per_step=6 * psi * tokens, matmul_flops=rate,
+                     grad_norms=list(wrapped.clip.norms) if wrapped.clip is not None else [])
 
 
 @contextlib.contextmanager

@@ -186,4 +186,5 @@ def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     opt = build_optimizer([u.flat_param for u in state.units if u.flat_param is not None],
                           precision, optimizer)
     return Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full,
-                   pieces=lambda: state.pieces(opt), extra_state=(state,))
+                   pieces=lambda: state.pieces(opt), extra_state=(state,),
+                   clip=optimizer.clip_steps(opt, sharded=True))

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.clip import GradClip
 from shardlab.deepspeed_ref.setup import deepspeed_missing, import_deepspeed
 from shardlab.launch import rank_device
 from shardlab.precision import InnerOptimizerFace, Precision
@@ -111,7 +112,8 @@ def deepspeed_config(stage: int, precision: Precision, opts: dict[str, Any],
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": 0.0,
+        # DeepSpeed clips by the global norm of its fp32 partitions in engine.step()
+        "gradient_clipping": optimizer.clip_norm or 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": precision.name == "bf16-mixed"},
     }
@@ -129,12 +131,16 @@ class EngineStep(InnerOptimizerFace):
     DeepSpeed's ZeRO optimizer (whose own `.optimizer` is the torch.optim one), so
     `param_groups` and `state` are the ones DeepSpeed steps."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clip_norm: float | None = None):
         self.engine = engine
         self.optimizer = engine.optimizer
+        # only a record of the norms: the engine clips (`gradient_clipping`)
+        self.clip = None if clip_norm is None else GradClip(clip_norm, sharded=True)
 
     def step(self) -> None:
         self.engine.step()
+        if self.clip is not None:
+            self.clip.norms.append(float(self.engine.get_global_grad_norm()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: `engine.step()` has already freed every gradient."""
@@ -215,10 +221,12 @@ def wrap_deepspeed(stage: int, model: nn.Module, precision: Precision,
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return named_full_parameters(module)
 
-    return Wrapped(engine, EngineStep(engine), no_sync=contextlib.nullcontext,
+    step = EngineStep(engine, optimizer.clip_norm)
+    return Wrapped(engine, step, no_sync=contextlib.nullcontext,
                    full_parameters=full_parameters, pieces=None,
                    checkpoint_refusal=CHECKPOINT_REFUSAL,
-                   extra_state=(DeepSpeedState(engine, stage),), module=module)
+                   extra_state=(DeepSpeedState(engine, stage),), module=module,
+                   clip=step.clip)
 
 
 def wrap_deepspeed_zero1(model, precision, optimizer, options) -> Wrapped:

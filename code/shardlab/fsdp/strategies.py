@@ -98,7 +98,8 @@ def fully_shard_on(model: nn.Module, precision: Precision, optimizer: OptimizerS
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
                    full_parameters=lambda: gather_full_parameters(model),
-                   pieces=lambda: state.pieces(opt), extra_state=(state,))
+                   pieces=lambda: state.pieces(opt), extra_state=(state,),
+                   clip=optimizer.clip_steps(opt, sharded=True))
 
 
 def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
@@ -164,4 +165,5 @@ def torch_fully_shard_on(mesh, model: nn.Module, precision: Precision,
                 for name, p in model.named_parameters()}
 
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
-                   full_parameters=full_parameters, pieces=lambda: dtensor_pieces(model, opt))
+                   full_parameters=full_parameters, pieces=lambda: dtensor_pieces(model, opt),
+                   clip=optimizer.torch_clip_steps(opt))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.clip import GradClip
 from shardlab.precision import InnerOptimizerFace
 from shardlab.strategy import Piece, owned_ranges, state_of, tied_names
 from shardlab.zero.buckets import (DEFAULT_BUCKET_MB, FlatGroup, bucket_numel_for,
@@ -57,7 +58,8 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
                  *, master_weights: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                  bucket_numel: int | None = None, overlap_all_gather: bool = False,
                  module: nn.Module | None = None, process_group=None,
-                 param_order: Sequence[nn.Parameter] | None = None, **defaults: Any):
+                 param_order: Sequence[nn.Parameter] | None = None,
+                 clip: GradClip | None = None, **defaults: Any):
         if bucket_numel is not None:
             check_bucket_numel(bucket_numel)
         else:
@@ -66,6 +68,7 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
             raise ValueError("overlap_all_gather needs module=the model, whose forward "
                              "waits for the all-gathers")
         self.master_weights = master_weights
+        self.clip = clip  # on this rank's averaged gradient chunks, before the step
         self.overlap_all_gather = bool(overlap_all_gather)
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
@@ -115,14 +118,14 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
     @torch.no_grad()
     def step(self) -> None:
         self.wait_for_params()  # gathers a forward did not wait for (an unused module's)
+        grads = self._stepped_grads()
         if self.overlap_all_gather:
-            self._step_bucket_by_bucket()
+            self._step_bucket_by_bucket(grads)
             return
         for g in self.groups:
-            grad = self.sharded_grads(g)
             for b, shard in zip(g.buckets, g.shards):
                 c = b.chunk_numel(self.world)
-                shard.grad = grad[b.shard_start:b.shard_start + c].to(shard.dtype)
+                shard.grad = grads[id(g)][b.shard_start:b.shard_start + c]
         with self.traced("optimizer step"):
             self.optimizer.step()
         for g in self.groups:
@@ -132,15 +135,25 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
                     b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
             self.all_gather_params(g)
 
-    def _step_bucket_by_bucket(self) -> None:
+    def _stepped_grads(self) -> dict[int, torch.Tensor]:
+        """Each group's averaged gradient chunks in the dtype its shards step (fp32 under
+        master weights), clipped by the global norm: each element is counted once, on
+        the rank that owns it (ZeRO-1's full gradients before the reduce-scatter would
+        count every element N times), so one scalar all-reduce gives the norm."""
+        grads = {id(g): self.sharded_grads(g).to(g.shards[0].dtype) if g.shards
+                 else self.sharded_grads(g) for g in self.groups}
+        if self.clip is not None:
+            self.clip.clip(grads.values())
+        return grads
+
+    def _step_bucket_by_bucket(self, grads: dict[int, torch.Tensor]) -> None:
         """Update one bucket's chunk, start its all-gather, go on to the next bucket while
         it travels; the next forward waits for each bucket where it is first needed."""
-        grads = {id(g): self.sharded_grads(g) for g in self.groups}
         for b in self.buckets_in_model_order:
             g = self.groups[b.group]
             shard = g.shards[b.index]
             c = b.chunk_numel(self.world)
-            shard.grad = grads[id(g)][b.shard_start:b.shard_start + c].to(shard.dtype)
+            shard.grad = grads[id(g)][b.shard_start:b.shard_start + c]
             with self.traced("optimizer step", b.index):
                 self.optimizer.step()  # only the shard with a gradient moves
             shard.grad = None

@@ -58,7 +58,8 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
         params, optimizer.cls, master_weights=precision.master_weights,
         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
         overlap_all_gather=opts["overlap_all_gather"], module=model,
-        param_order=[p for p in model.parameters() if p.requires_grad], **optimizer.kwargs)
+        param_order=[p for p in model.parameters() if p.requires_grad],
+        clip=optimizer.clipper(sharded=True), **optimizer.kwargs)
 
     def full_parameters() -> dict[str, torch.Tensor]:
         zero.wait_for_params()
@@ -67,7 +68,8 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     # no_sync is not needed: stage 1 reduces only in step(), so micro-batches accumulate
     # locally; stage 2 reduces every micro-batch and accumulates into the shard.
     return Wrapped(model, zero, full_parameters=full_parameters,
-                   pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all)
+                   pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all,
+                   clip=zero.clip)
 
 
 def wrap_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,

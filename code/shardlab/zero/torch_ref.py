@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from shardlab.clip import GradClip
 from shardlab.precision import MasterWeightOptimizer, Precision
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_options,
                                named_full_parameters, state_of, tied_names)
@@ -35,6 +36,7 @@ class TorchZero1:
         constructor = (functools.partial(MasterWeightOptimizer, optimizer_class=optimizer_class)
                        if master_weights else optimizer_class)
         self.model = ddp_model
+        self.clip: GradClip | None = None
         self.zero = ZeroRedundancyOptimizer([p for p in ddp_model.parameters()
                                              if p.requires_grad], constructor, **defaults)
 
@@ -47,7 +49,19 @@ class TorchZero1:
         """This rank's own optimizer, over the parameters PyTorch assigned it."""
         return self.zero.optim
 
+    def clip_grads(self, max_norm: float | None) -> GradClip | None:
+        """PyTorch's `clip_grad_norm_` on DDP's averaged gradients, whole on every rank
+        (no collective), before `ZeroRedundancyOptimizer` steps its own parameters."""
+        if max_norm is None:
+            return None
+        self.clip = GradClip(max_norm, sharded=False)
+        return self.clip
+
     def step(self) -> None:
+        if self.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], self.clip.max_norm)
+            self.clip.norms.append(float(norm))
         self.zero.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -96,5 +110,6 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
     zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
     return Wrapped(ddp, zero, no_sync=ddp.no_sync,
                    full_parameters=lambda: named_full_parameters(model),
-                   pieces=lambda: zero.pieces(model), module=model)
+                   pieces=lambda: zero.pieces(model), module=model,
+                   clip=zero.clip_grads(optimizer.clip_norm))
 
