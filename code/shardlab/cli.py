@@ -128,7 +128,8 @@ _FLAG_WORDS = [
     (r"\bresume=False\b", "no --resume"),
     (r"\b(precision|optimizer)='([^']*)'", r"--\1 \2"),
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
-     r"trust_checkpoint|resume_world|slow_rank|slow_seconds|init_from)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
+     r"trust_checkpoint|resume_world|slow_rank|slow_seconds|init_from|clip_norm|loss_mean|"
+     r"variable_lengths)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
     (r"\bexport_path\b", "--export"),
     (r"\bprofile_dir\b", "--profile"),
     (r"(?<![\w./-])(lr|steps|seed|world)(?= must| >| <)", r"--\1"),

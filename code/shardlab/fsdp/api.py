@@ -18,6 +18,7 @@ sharded and full models. The strategies built on it are in `shardlab.fsdp.strate
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -144,12 +145,52 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
         p._sharded_by = unit
     for slot in slots:
         slot.param._taken_by = module
+        slot.param._taken_as = slot.name
+    _refuse_optimizers_built_before()
     module.__dict__["_sharded_units"] = [unit]
     unit.install_hooks()
     cls = type(module)
     if not isinstance(module, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return module
+
+
+_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_refusal_installed = False
+
+
+def _refuse_optimizers_built_before() -> None:
+    """From the first `fully_shard` on, every torch.optim optimizer's first step checks
+    that it holds none of the parameters `fully_shard` replaced by their shards.
+
+    An optimizer built before `fully_shard` holds the original full tensors: no gradient
+    reaches them any more (the module computes with its shards), so it steps nothing and
+    the model never trains, without an error. Checked at the first step because that is
+    where a user's own optimizer and the sharded model first meet (fully_shard never sees
+    the optimizer); a global step hook, because the user builds the optimizer."""
+    global _refusal_installed
+    if _refusal_installed:
+        return
+    _refusal_installed = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(check_optimizer_after_sharding)
+
+
+def check_optimizer_after_sharding(optimizer: torch.optim.Optimizer, *_) -> None:
+    """Refuse, in one line, an optimizer that holds parameters `fully_shard` replaced."""
+    if optimizer in _checked_optimizers:
+        return
+    stale = [p for group in optimizer.param_groups for p in group["params"]
+             if getattr(p, "_taken_by", None) is not None]
+    if stale:
+        first = stale[0]
+        raise ValueError(
+            f"this {type(optimizer).__name__} was built before fully_shard: it holds "
+            f"{len(stale)} parameter(s) that fully_shard replaced by their shards (e.g. "
+            f"{first._taken_as!r} of {type(first._taken_by).__name__}), which no gradient "
+            f"reaches. Build the optimizer after sharding: fully_shard each unit and the "
+            f"root, then e.g. torch.optim.AdamW(model.parameters())")
+    _checked_optimizers.add(optimizer)
 
 
 def _is_ancestor(parent: nn.Module, child: nn.Module) -> bool:
