@@ -16,6 +16,12 @@ has been caused on purpose and seen in the run report (`shardlab.report`):
   its forward again in backward, with PyTorch's composable `checkpoint`, which leaves the
   modules and their parameter names as they are.
 
+A mistake with no error at all: *clipping by local norms*. A rank that clips its
+gradient shard by the shard's own norm scales it by another factor than its neighbours,
+and a sharded model drifts from the single process while its loss still falls;
+`TrainConfig(clip_local_norm=True)` rehearses it (`shardlab.clip` holds both ways, and
+chapter 10 measures the drift).
+
 The failure with no metric, a *hang*, has its own modules: `shardlab.hangs` causes one
 the ways real jobs do (a rank whose code takes another path), and the flight recorder of
 `shardlab.comm.flight` names the rank and the collective.
