@@ -40,6 +40,7 @@ WORLDS = {  # world: (global batch, micro-batches, strategies)
 NAIVE = {2: ("ddp", "zero2"), 3: ("fsdp2",)}
 LOCAL_NORM = {2: ("ddp", "zero2", "fsdp2"), 3: ("zero3",)}
 MIXED = {2: ("zero1", "zero3"), 3: ()}
+RECOMPUTE = {2: ("zero3", "fsdp2"), 3: ()}  # each block checkpointed, then sharded
 
 
 def cases(world: int) -> list[TrainConfig]:
@@ -48,11 +49,13 @@ def cases(world: int) -> list[TrainConfig]:
     return ([replace(base, strategy=s) for s in strategies]
             + [replace(base, strategy=s, loss_mean="per-batch") for s in NAIVE[world]]
             + [replace(base, strategy=s, clip_local_norm=True) for s in LOCAL_NORM[world]]
-            + [replace(base, strategy=s, precision="bf16-mixed") for s in MIXED[world]])
+            + [replace(base, strategy=s, precision="bf16-mixed") for s in MIXED[world]]
+            + [replace(base, strategy=s, recompute=True) for s in RECOMPUTE[world]])
 
 
 def key(c: TrainConfig) -> tuple:
-    return c.strategy, c.loss_mean, c.clip_local_norm, c.precision
+    return (c.strategy, c.loss_mean, c.clip_local_norm, c.precision) + (
+        ("recompute",) if c.recompute else ())
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,27 @@ def test_mixed_precision_clips_by_the_fp32_master_gradients(results, world):
         r = reports[(strategy, "tokens", False, "bf16-mixed")]
         assert r.grad_norms == pytest.approx(ref.grad_norms, rel=2e-2), strategy
         assert r.losses == pytest.approx(ref.losses, rel=1e-2), strategy
+
+
+@pytest.mark.parametrize("world", [w for w in sorted(WORLDS) if RECOMPUTE[w]])
+def test_recomputation_inside_the_unit_gathers_each_layer_twice(results, world):
+    """torchtitan's order (checkpoint each block, then shard the checkpointed block): the
+    recomputed forward runs on the parameters the unit's backward gathered, so a step
+    gathers each unit twice per micro-batch (forward, backward), as without recomputation,
+    and trains the same."""
+    reports, single = results[world]
+    _, accum, _ = WORLDS[world]
+    units = 3  # gpt-tiny under the "auto" policy: 2 blocks and the root
+    for strategy in RECOMPUTE[world]:
+        plain = reports[(strategy, "tokens", False, "fp32")]
+        recomputed = reports[(strategy, "tokens", False, "fp32", "recompute")]
+        for r in (plain, recomputed):
+            gathers = [rec for rec in r.ledger if rec.step == 1
+                       and rec.op.startswith("all_gather")]
+            assert len(gathers) == 2 * units * accum, strategy
+        assert sorted(rec.logical_bytes for rec in plain.ledger if rec.step == 1) == \
+            sorted(rec.logical_bytes for rec in recomputed.ledger if rec.step == 1)
+        assert max_param_diff(recomputed, single["fp32"]) < 1e-5, strategy
 
 
 def test_padded_batches_are_deterministic_and_cover_the_global_count():

@@ -32,6 +32,14 @@ from shardlab.zero.buckets import (DEFAULT_BUCKET_MB, FlatGroup, bucket_numel_fo
 from shardlab.zero.gather import BucketGathers
 
 
+class _LazyCast(dict):
+    """(group, bucket) -> the chunk cast to its shard's dtype when read, not before."""
+
+    def __getitem__(self, key):
+        grad, shard = super().__getitem__(key)
+        return grad.to(shard.dtype)
+
+
 class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
     """ZeRO-1 or ZeRO-2 around any torch.optim optimizer class: the base of
     `Zero1Optimizer` and `Zero2Optimizer`, which say how the gradients are sharded.
@@ -124,8 +132,7 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
             return
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
-                c = b.chunk_numel(self.world)
-                shard.grad = grads[id(g)][b.shard_start:b.shard_start + c]
+                shard.grad = grads[(b.group, b.index)]
         with self.traced("optimizer step"):
             self.optimizer.step()
         for g in self.groups:
@@ -135,25 +142,32 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
                     b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
             self.all_gather_params(g)
 
-    def _stepped_grads(self) -> dict[int, torch.Tensor]:
-        """Each group's averaged gradient chunks in the dtype its shards step (fp32 under
-        master weights), clipped by the global norm: each element is counted once, on
-        the rank that owns it (ZeRO-1's full gradients before the reduce-scatter would
-        count every element N times), so one scalar all-reduce gives the norm."""
-        grads = {id(g): self.sharded_grads(g).to(g.shards[0].dtype) if g.shards
-                 else self.sharded_grads(g) for g in self.groups}
-        if self.clip is not None:
-            self.clip.clip(grads.values())
-        return grads
+    def _stepped_grads(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Each bucket's averaged gradient chunk, in the dtype its shard steps (fp32 under
+        master weights), by (group, bucket). With clipping, all of them scaled by the
+        global norm first: each element is counted once, on the rank that owns it
+        (ZeRO-1's full gradients before the reduce-scatter would count every element N
+        times), so one scalar all-reduce gives the norm. Without, each chunk is cast when
+        its bucket steps, so that bf16-mixed holds one bucket's fp32 copy at a time."""
+        chunks = {}
+        for g in self.groups:
+            grad = self.sharded_grads(g)
+            for b, shard in zip(g.buckets, g.shards):
+                c = b.chunk_numel(self.world)
+                chunks[(b.group, b.index)] = (grad[b.shard_start:b.shard_start + c], shard)
+        if self.clip is None:
+            return _LazyCast(chunks)
+        cast = {k: grad.to(shard.dtype) for k, (grad, shard) in chunks.items()}
+        self.clip.clip(cast.values())
+        return cast
 
-    def _step_bucket_by_bucket(self, grads: dict[int, torch.Tensor]) -> None:
+    def _step_bucket_by_bucket(self, grads) -> None:
         """Update one bucket's chunk, start its all-gather, go on to the next bucket while
         it travels; the next forward waits for each bucket where it is first needed."""
         for b in self.buckets_in_model_order:
             g = self.groups[b.group]
             shard = g.shards[b.index]
-            c = b.chunk_numel(self.world)
-            shard.grad = grads[id(g)][b.shard_start:b.shard_start + c]
+            shard.grad = grads[(b.group, b.index)]
             with self.traced("optimizer step", b.index):
                 self.optimizer.step()  # only the shard with a gradient moves
             shard.grad = None
