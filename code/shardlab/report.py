@@ -430,6 +430,6 @@ def report_to_json(config: Any, reports: list[RunReport]) -> dict:
                        "checkpoint_save_seconds": r.checkpoint_save_seconds,
                        "checkpoint_load_seconds": r.checkpoint_load_seconds,
                        "step_starts": r.step_starts, "phases": _plain(r.phases),
-                       "clock_offset": r.clock_offset,
+                       "clock_offset": r.clock_offset, "grad_norms": r.grad_norms,
                        "ledger": [record(x) for x in r.ledger]}
                       for r, m, s in zip(reports, metrics, steps)]}
