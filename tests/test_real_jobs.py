@@ -41,6 +41,9 @@ NAIVE = {2: ("ddp", "zero2"), 3: ("fsdp2",)}
 LOCAL_NORM = {2: ("ddp", "zero2", "fsdp2"), 3: ("zero3",)}
 MIXED = {2: ("zero1", "zero3"), 3: ()}
 RECOMPUTE = {2: ("zero3", "fsdp2"), 3: ()}  # each block checkpointed, then sharded
+# each block checkpointed around two smaller units (attention, MLP): outside the unit
+SMALL_UNITS = {"wrap": "class:CausalSelfAttention,MLP"}
+RECOMPUTE_OUTSIDE = {2: ("fsdp2", "torch-fsdp2"), 3: ()}
 
 
 def cases(world: int) -> list[TrainConfig]:
@@ -50,12 +53,14 @@ def cases(world: int) -> list[TrainConfig]:
             + [replace(base, strategy=s, loss_mean="per-batch") for s in NAIVE[world]]
             + [replace(base, strategy=s, clip_local_norm=True) for s in LOCAL_NORM[world]]
             + [replace(base, strategy=s, precision="bf16-mixed") for s in MIXED[world]]
-            + [replace(base, strategy=s, recompute=True) for s in RECOMPUTE[world]])
+            + [replace(base, strategy=s, recompute=True) for s in RECOMPUTE[world]]
+            + [replace(base, strategy=s, recompute=True, options=SMALL_UNITS)
+               for s in RECOMPUTE_OUTSIDE[world]])
 
 
 def key(c: TrainConfig) -> tuple:
     return (c.strategy, c.loss_mean, c.clip_local_norm, c.precision) + (
-        ("recompute",) if c.recompute else ())
+        ("recompute",) if c.recompute else ()) + (("outside",) if c.options else ())
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +184,30 @@ def test_recomputation_inside_the_unit_gathers_each_layer_twice(results, world):
         assert sorted(rec.logical_bytes for rec in plain.ledger if rec.step == 1) == \
             sorted(rec.logical_bytes for rec in recomputed.ledger if rec.step == 1)
         assert max_param_diff(recomputed, single["fp32"]) < 1e-5, strategy
+
+
+@pytest.mark.parametrize("world", [w for w in sorted(WORLDS) if RECOMPUTE_OUTSIDE[w]])
+def test_recomputation_outside_the_unit_gathers_again(results, world):
+    """Each block checkpointed around two units (attention, then MLP): in backward, the
+    MLP's gather comes first (its output's gradient arrives), then the block's forward is
+    recomputed, which gathers the attention unit a second time in the step; our schedule
+    frees it after that forward and gathers it a third time for its backward. PyTorch's
+    FSDP2 keeps a unit gathered after a forward that runs inside backward: twice."""
+    reports, single = results[world]
+    _, accum, _ = WORLDS[world]
+    blocks, units = 2, 5  # gpt-tiny: 2 x (attention, MLP) and the root
+    attention_bytes = 4 * (64 * 3 * 64 + 3 * 64 + 64 * 64 + 64)
+    for strategy, extra in (("fsdp2", blocks), ("torch-fsdp2", 0)):
+        r = reports[(strategy, "tokens", False, "fp32", "recompute", "outside")]
+        gathers = [rec for rec in r.ledger if rec.step == 1
+                   and rec.op.startswith("all_gather")]
+        assert len(gathers) == (2 * units + extra) * accum, strategy
+        plain = reports[("fsdp2", "tokens", False, "fp32")]
+        plain_bytes = sum(rec.logical_bytes for rec in plain.ledger if rec.step == 1
+                          and rec.op.startswith("all_gather"))
+        assert sum(rec.logical_bytes for rec in gathers) == \
+            plain_bytes + extra * attention_bytes * accum, strategy
+        assert max_param_diff(r, single["fp32"]) < 1e-5, strategy
 
 
 def test_padded_batches_are_deterministic_and_cover_the_global_count():
