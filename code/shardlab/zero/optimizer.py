@@ -77,6 +77,8 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
                              "waits for the all-gathers")
         self.master_weights = master_weights
         self.clip = clip  # on this rank's averaged gradient chunks, before the step
+        if clip is not None and clip.group is None:
+            clip.group = process_group  # the norm is summed over the ranks that shard
         self.overlap_all_gather = bool(overlap_all_gather)
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
