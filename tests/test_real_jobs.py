@@ -25,13 +25,16 @@ BASE = TrainConfig(model="gpt-tiny", steps=4, seq_len=16, clip_norm=CLIP,
                    variable_lengths=True, keep_params=True, measure_memory=False)
 OURS_SHARDED = ("zero1", "zero2", "zero3", "fsdp2")
 REFERENCE_OF = {"ddp": "torch-ddp", "zero1": "torch-zero1", "fsdp2": "torch-fsdp2",
-                "zero2": "torch-fsdp2", "zero3": "torch-fsdp2"}
+                "zero2": "torch-fsdp2", "zero3": "torch-fsdp2", "hsdp": "torch-hsdp"}
 DEEPSPEED_OF = {"zero1": "deepspeed-zero1", "zero2": "deepspeed-zero2",
                 "zero3": "deepspeed-zero3"}
 HAS_DEEPSPEED = deepspeed_ref.deepspeed_missing() is None
+# HSDP with shard groups of one rank: every rank a replica, whose copies the norm must
+# count once (the norm is summed over the shard group only)
+HSDP = {"shard_group": 1}
 WORLDS = {  # world: (global batch, micro-batches, strategies)
     2: (8, 2, ["ddp", "ddp-naive", "torch-ddp", "zero1", "zero2", "torch-zero1", "zero3",
-               "fsdp2", "torch-fsdp2"]
+               "fsdp2", "torch-fsdp2", "hsdp", "torch-hsdp"]
         + (["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"] if HAS_DEEPSPEED
            else [])),
     3: (6, 1, ["ddp", "zero1", "zero2", "zero3", "fsdp2", "torch-fsdp2"]),
@@ -49,7 +52,8 @@ RECOMPUTE_OUTSIDE = {2: ("fsdp2", "torch-fsdp2"), 3: ()}
 def cases(world: int) -> list[TrainConfig]:
     batch, accum, strategies = WORLDS[world]
     base = replace(BASE, world=world, batch_size=batch, grad_accum=accum)
-    return ([replace(base, strategy=s) for s in strategies]
+    return ([replace(base, strategy=s, options=HSDP if "hsdp" in s else {})
+             for s in strategies]
             + [replace(base, strategy=s, loss_mean="per-batch") for s in NAIVE[world]]
             + [replace(base, strategy=s, clip_local_norm=True) for s in LOCAL_NORM[world]]
             + [replace(base, strategy=s, precision="bf16-mixed") for s in MIXED[world]]
@@ -60,7 +64,8 @@ def cases(world: int) -> list[TrainConfig]:
 
 def key(c: TrainConfig) -> tuple:
     return (c.strategy, c.loss_mean, c.clip_local_norm, c.precision) + (
-        ("recompute",) if c.recompute else ()) + (("outside",) if c.options else ())
+        ("recompute",) if c.recompute else ()) + (
+        ("outside",) if c.options.get("wrap") else ())
 
 
 @pytest.fixture(scope="module")

@@ -70,10 +70,12 @@ class OptimizerSpec:
         return GradClip(self.clip_norm, sharded=sharded, group=group,
                         local=self.clip_local_norm)
 
-    def clip_steps(self, optimizer: torch.optim.Optimizer, *,
-                   sharded: bool) -> GradClip | None:
-        """Clip what `optimizer` steps before each of its steps (see `shardlab.clip`)."""
-        clip = self.clipper(sharded=sharded)
+    def clip_steps(self, optimizer: torch.optim.Optimizer, *, sharded: bool,
+                   group=None) -> GradClip | None:
+        """Clip what `optimizer` steps before each of its steps (see `shardlab.clip`).
+        `group`: the ranks whose shards make up one whole gradient (HSDP's shard group:
+        the replicas hold copies, which the norm must not count again)."""
+        clip = self.clipper(sharded=sharded, group=group)
         return None if clip is None else clip_before_step(inner_optimizer(optimizer), clip)
 
     def torch_clip_steps(self, optimizer) -> GradClip | None:

@@ -99,7 +99,7 @@ def fully_shard_on(model: nn.Module, precision: Precision, optimizer: OptimizerS
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
                    full_parameters=lambda: gather_full_parameters(model),
                    pieces=lambda: state.pieces(opt), extra_state=(state,),
-                   clip=optimizer.clip_steps(opt, sharded=True))
+                   clip=optimizer.clip_steps(opt, sharded=True, group=group))
 
 
 def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
