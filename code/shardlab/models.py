@@ -419,6 +419,6 @@ def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, s
     x, y = windows[:, :-1], windows[:, 1:]
     if variable_lengths:
         lengths = row_lengths(step, batch_size, seq_len, seed)[first:first + rows]
-        padding = torch.arange(seq_len) >= lengths[:, None]
+        padding = torch.arange(seq_len, device="cpu") >= lengths[:, None]
         x, y = x.masked_fill(padding, 0), y.masked_fill(padding, IGNORE_INDEX)
     return x, y
