@@ -66,6 +66,29 @@ def test_a_changed_environment_restarts_the_fork_server_once():
     assert before[0][0] != changed[0][0], "the server from before the change was kept"
     assert changed[0][0] == again[0][0], "an unchanged environment restarted the server"
 
+
+def test_a_function_is_found_where_its_module_was_found_after_a_chdir(tmp_path):
+    """A notebook imports a helper module from its own folder (through the "" of its
+    path), then changes directory: the ranks still find the module where it was found."""
+    import importlib
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    package = home / f"helpers_{uuid.uuid4().hex[:8]}"
+    package.mkdir(parents=True)
+    elsewhere.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "work.py").write_text("def answer(rank_offset):\n    return 42 + rank_offset\n")
+    before = os.getcwd()
+    sys.path.insert(0, "")
+    try:
+        os.chdir(home)
+        importlib.invalidate_caches()
+        work = importlib.import_module(f"{package.name}.work")
+        os.chdir(elsewhere)
+        assert launch(work.answer, 2, 0) == [42, 42]
+    finally:
+        os.chdir(before)
+        sys.path.remove("")
+
 def test_backend_auto_is_gloo_without_gpus():
     import torch
     if torch.cuda.is_available():

@@ -38,6 +38,30 @@ def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         raise LaunchError(_name_the_culprit(fn, args, kwargs, exc)) from None
 
 
+
+def lookup_path() -> list[str]:
+    """The `sys.path` a rank looks the job's modules up in: this process's, each entry
+    made absolute (the "" of a notebook or `python -c` means the directory now), then the
+    folder of every module this process imported from a folder no longer on it.
+
+    A notebook that imports `graders` from its own folder and then changes directory
+    still holds the module; a rank that imports it by name from the new directory would
+    not find it. So a rank gets the folders where this process really found its modules,
+    after its own path: they cannot shadow anything the path finds first."""
+    path = [os.path.abspath(entry) for entry in sys.path]
+    known = set(path)
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if "." in name or name == "__main__" or not isinstance(file, str):
+            continue
+        folder = os.path.dirname(os.path.abspath(file))
+        if os.path.basename(file) == "__init__.py":
+            folder = os.path.dirname(folder)  # a package: the folder that holds it
+        if folder not in known:
+            known.add(folder)
+            path.append(folder)
+    return path
+
 def unpack(job: bytes) -> tuple[Callable, tuple, dict]:
     return pickle.loads(job)
 

@@ -217,7 +217,7 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
     payload = carry.pack(fn, args, kwargs)
     # Where the function is looked up: this process's, at this launch (a fork server
     # started earlier keeps the directory and path it started with).
-    surroundings = {"cwd": os.getcwd(), "sys_path": list(sys.path),
+    surroundings = {"cwd": os.getcwd(), "sys_path": carry.lookup_path(),
                     "environ": dict(os.environ)}
     reclaim_run_dirs()
     # The parent owns the rendezvous; port 0 lets the OS choose a free port atomically.
