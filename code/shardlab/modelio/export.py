@@ -31,13 +31,17 @@ from shardlab.strategy import optimizer_spec, wrap_single
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """save_pretrained draws a progress bar on stderr: a notebook would store it."""
+    """save_pretrained draws a progress bar on stderr: a notebook would store it. The
+    bar's setting is the caller's again afterwards (a chapter that turned it off keeps
+    it off for its own `from_pretrained`)."""
     from transformers.utils import logging
+    was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
     try:
         yield
     finally:
-        logging.enable_progress_bar()
+        if was_enabled:
+            logging.enable_progress_bar()
 
 
 def hf_config_json(module) -> dict:
