@@ -393,30 +393,29 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def get_strategy(name: str) -> Callable[..., Wrapped]:
+def _strategy_module(name: str):
+    """The module that holds strategy `name` (imported on first use)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; use one of {sorted(STRATEGIES)}")
-    module_name, fn_name = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module_name), fn_name)
+    return importlib.import_module(STRATEGIES[name].split(":")[0])
+
+
+def get_strategy(name: str) -> Callable[..., Wrapped]:
+    return getattr(_strategy_module(name), STRATEGIES[name].split(":")[1])
 
 
 def checkpoint_refusal(name: str) -> str | None:
     """Why `shardlab.checkpoint` cannot save or load strategy `name`, or None if it can.
     A strategy module that keeps its own checkpoints (DeepSpeed's engine) says why in
     `CHECKPOINT_REFUSAL`, so a run that asks to save is refused before it trains."""
-    get_strategy(name)
-    module_name = STRATEGIES[name].split(":")[0]
-    return getattr(importlib.import_module(module_name), "CHECKPOINT_REFUSAL", None)
+    return getattr(_strategy_module(name), "CHECKPOINT_REFUSAL", None)
 
 
 def check_before_launch(name: str, options: dict, world: int) -> None:
     """Refuse, in the launching process, options a strategy can judge without its ranks
     (HSDP's shard group against the world size): a strategy module that can says so in
     a function `check_options_before_launch(name, options, world)`."""
-    get_strategy(name)
-    module_name = STRATEGIES[name].split(":")[0]
-    check = getattr(importlib.import_module(module_name), "check_options_before_launch",
-                    None)
+    check = getattr(_strategy_module(name), "check_options_before_launch", None)
     if check is not None:
         check(name, options, world)
 
