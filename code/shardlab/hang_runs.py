@@ -55,6 +55,25 @@ class HangRun:
         (its process ended there: gloo's abort, or the launcher)."""
         return {r: d.state if d.state != "raised" else d.error for r, d in self.dumps.items()}
 
+    @property
+    def timed_out(self) -> list[int]:
+        """The ranks whose own collective timeout ended the hang (the others returned,
+        or lost a peer that had timed out)."""
+        return [r for r, how in self.ended.items() if ended_by_timeout(how)]
+
+
+# gloo's two messages for a timeout in this process: the operation that timed out raises
+# the first; it then closes every pair, and an operation on another thread (or the next
+# one) raises the second. Which one a rank sees depends on scheduling, so both count.
+# A peer of a rank that timed out sees "Connection closed by peer" instead: it lost
+# its peer, its own timeout did not fire.
+GLOO_TIMEOUT_MESSAGES = ("Timed out waiting", "Application timeout caused pair closure")
+
+
+def ended_by_timeout(how: str) -> bool:
+    """Whether a rank's error (as `HangRun.ended` gives it) is its own collective timeout."""
+    return any(message in how for message in GLOO_TIMEOUT_MESSAGES)
+
 
 def _sharded_tiny_gpt(group):
     """gpt-tiny as ZeRO-3 units on `group`, and one training step (forward, backward)."""
