@@ -61,8 +61,14 @@ def first_difference(got: Any, expected: torch.Tensor, reference: str,
         return None
     i = int(bad.nonzero()[0])
     size = expected.element_size()
-    return (f"element {i} (bytes {i * size}-{(i + 1) * size - 1}) is {g[i].item():.4g}, "
-            f"{reference} has {e[i].item():.4g} ({int(bad.sum())} of {e.numel()} differ)")
+    return (f"element {i} (bytes {i * size}-{(i + 1) * size - 1}) is {_value(g[i].item())}, "
+            f"{reference} has {_value(e[i].item())} ({int(bad.sum())} of {e.numel()} differ)")
+
+
+def _value(x: float) -> str:
+    """Four significant digits, in powers of ten below 0.01: the line is stored in labs,
+    where a long run of decimals reads as a claim to precision the value does not have."""
+    return f"{x:.3e}" if 0 < abs(x) < 0.01 else f"{x:.4g}"
 
 
 def run_each(candidates: list, check_one: Callable, *args: Any) -> list[tuple[str, Any]]:
