@@ -16,7 +16,7 @@ SEED = 3  # the weights written to the folders; a build with any other seed diff
 
 
 def meta_cases(cases: list[dict], train: dict) -> dict:
-    """Each case {model, folder, strategy, skip}: load through meta, then compare every
+    """Each case {model, folder, strategy, options, skip}: load through meta, then compare every
     parameter and every buffer with a build without meta (the folder's weights). `train`
     {model, folder, strategy, steps, checkpoint_dir}: load, train, save a checkpoint,
     return the full parameters and the losses."""
@@ -25,8 +25,9 @@ def meta_cases(cases: list[dict], train: dict) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     results = []
     for case in cases:
-        wrapped = wrap_on_meta(case["model"], None, case["strategy"], precision, spec, {},
-                               device, case["folder"], skip_buffers=case.get("skip", ()))
+        wrapped = wrap_on_meta(case["model"], None, case["strategy"], precision, spec,
+                               case.get("options", {}), device, case["folder"],
+                               skip_buffers=case.get("skip", ()))
         full = (wrapped.full_parameters() if wrapped.full_parameters
                 else named_full_parameters(wrapped.module))
         reference = build_model(case["model"], seed=SEED)

@@ -19,6 +19,7 @@ from shardlab.memory.planner import main as memory_main
 from shardlab.launch import launch
 from shardlab.modelio import build_on_meta, check_matches, read_model_config
 from shardlab.modelio.export import export_hf, main as export_main
+from shardlab.modelio.host_memory import WARM_UP, load_one_way, predicted_bytes
 from shardlab.models import build_model, get_batch
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +46,8 @@ def ran(folders, tmp_path_factory):
     """One launch on 2 ranks: every case, then a run that trains and saves."""
     cases = [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
               "measure": s in MEASURED} for s in ("ddp", "zero3", "fsdp2", "torch-fsdp2")]
+    cases += [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": "hsdp",
+               "options": {"shard_group": 1}}]  # 2 replicas of 1 shard
     cases += [{"model": "hf-gpt2", "folder": folders["hf-gpt2"], "strategy": s}
               for s in ("zero1", "fsdp2", "torch-fsdp2")]  # a tied head
     cases += [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
@@ -73,6 +76,22 @@ def test_a_skipped_buffer_is_found(ran):
     assert len(skipped) == 2
     for result in skipped:
         assert result["buffers"] == [SKIPPED] and result["params"] == []
+
+
+def test_our_fsdp2_loads_through_meta_holding_its_shards_not_the_model(tmp_path):
+    """The course's `fsdp2` cuts a meta model, giving storage to its shards alone, and
+    reads only its rows: each rank's peak host memory stays nearer the meta formula (its
+    shards, and the file's pages that hold them) than the whole model's (an init and the
+    file), which is where a rank that materialized the model before sharding would be."""
+    settings = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4}
+    big, small = tmp_path / "big", tmp_path / "small"
+    write_folder(big, "hf-llama", config=settings)
+    write_folder(small, "hf-llama", config={**settings, **WARM_UP})
+    for r in launch(load_one_way, 2, "meta", str(big), "hf-llama", settings, str(small),
+                    "fsdp2"):
+        meta, whole = (predicted_bytes(way, r["psi_bytes"], r["largest_bytes"], 2, r["rank"])
+                       for way in ("meta", "full"))
+        assert r["peak"] < (meta + whole) / 2, (r["rank"], r["peak"] / 2**20, meta / 2**20)
 
 
 def test_export_loads_with_from_pretrained_and_gives_equal_logits(ran, tmp_path, one_thread):

@@ -314,6 +314,13 @@ def check_options(strategy: str, options: dict, accepted: dict[str, Any]) -> dic
     return {**accepted, **options}
 
 
+def storage_device(t: torch.Tensor) -> torch.device:
+    """Where a sharded copy of `t` is kept: `t`'s own device, or, for a tensor on `meta`
+    (a model built without storage, sharded before its values are read from a file),
+    this rank's device."""
+    return rank_device() if t.is_meta else t.device
+
+
 def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
                             what: str = "the model", fix: str | None = None) -> None:
     """Refuse, on every rank together, tensors that differ across ranks.
@@ -328,9 +335,17 @@ def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     device = rank_device()
+
+    def sums(t: torch.Tensor) -> list[float]:
+        # A tensor on meta has no values: they come later, from one file that every
+        # rank reads alike (`shardlab.modelio`). Its count and shape still take part.
+        if t.is_meta:
+            return [0.0, 0.0]
+        t = t.detach().double()
+        return [t.sum().item(), t.square().sum().item()]
+
     with torch.no_grad():
-        rows = [[float(t.dim()), *map(float, t.shape), t.detach().double().sum().item(),
-                 t.detach().double().square().sum().item()] for _, t in named]
+        rows = [[float(t.dim()), *map(float, t.shape), *sums(t)] for _, t in named]
     signature = torch.tensor([float(len(named))] + [x for row in rows for x in row],
                              dtype=torch.float64, device=device)
 

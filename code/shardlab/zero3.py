@@ -23,7 +23,7 @@ from shardlab.comm import all_gather_into
 from shardlab.precision import Precision
 from shardlab.sharded import ParamSlot, ShardedUnit, gather_shard, shard_units
 from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, build_optimizer, cast_model,
-                               check_options, owned_ranges, state_of)
+                               check_options, owned_ranges, state_of, storage_device)
 from shardlab.wrap import unit_modules
 
 
@@ -39,14 +39,20 @@ class FlatBuffer:
         self.numel = sum(s.numel for s in slots)
         self.shard_numel = math.ceil(self.numel / world)
         self.requires_grad = slots[0].param.requires_grad
-        flat = torch.zeros(world * self.shard_numel, dtype=dtype, device=slots[0].param.device)
-        torch.cat([s.param.detach().reshape(-1).to(dtype) for s in slots],
-                  out=flat[:self.numel])
-        mine = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        if slots[0].param.is_meta:
+            # No values yet (a model built on meta): only this rank's shard gets storage,
+            # and a checkpoint's pieces are read into it after wrapping.
+            mine = torch.zeros(self.shard_numel, dtype=dtype, device=shard_device)
+        else:
+            flat = torch.zeros(world * self.shard_numel, dtype=dtype,
+                               device=slots[0].param.device)
+            torch.cat([s.param.detach().reshape(-1).to(dtype) for s in slots],
+                      out=flat[:self.numel])
+            mine = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+            mine = mine.clone().to(shard_device)
         # The padding is stepped too when trained (its gradient is zero, so it stays
         # zero): every rank then steps exactly S elements.
-        self.shard = nn.Parameter(mine.clone().to(shard_device),
-                                  requires_grad=self.requires_grad)
+        self.shard = nn.Parameter(mine, requires_grad=self.requires_grad)
         # Allocated once, its storage freed (resized to 0) while sharded. The unsharded
         # parameters are views of it, created once, so that autograd's saved tensors and
         # gradient accumulation see the same objects every time.
@@ -179,7 +185,7 @@ def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     options = check_options("zero3", options, ZERO3_OPTIONS)
     units = unit_modules(model, options["wrap"])
     model = cast_model(model, precision)
-    device = next(model.parameters()).device
+    device = storage_device(next(model.parameters()))
     state = shard_units(model, units, FlatUnit, prefetch=bool(options["prefetch"]),
                         reshard_after_forward=bool(options["reshard_after_forward"]),
                         device=device)

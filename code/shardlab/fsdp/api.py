@@ -27,7 +27,7 @@ from torch import nn
 
 from shardlab.fsdp.layout import PerParamUnit
 from shardlab.sharded import ShardedModel, collect_slots
-from shardlab.strategy import check_same_on_all_ranks
+from shardlab.strategy import check_same_on_all_ranks, storage_device
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     check_same_on_all_ranks([(s.name, s.param) for s in slots],
                             None if replicate_group is not None else group,
                             what=f"this {type(module).__name__}")
-    device = next((s.param.device for s in slots), torch.device("cpu"))
+    device = next((storage_device(s.param) for s in slots), torch.device("cpu"))
     # A root whose children took every parameter gets an empty unit: it still runs the
     # root's part of the schedule (the end-of-backward callback).
     unit = PerParamUnit(module, slots, group=group, replicate_group=replicate_group,

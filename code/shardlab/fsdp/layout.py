@@ -55,9 +55,10 @@ class PerParamUnit(ShardedUnit):
                                       device=self.shard_device())
         self.sharded_params, self.padded_unsharded = [], []
         for s, rows, off, n in zip(slots, self.rows, self.offsets, self.shard_numels):
-            mine = s.param.detach()[self.rank * rows:(self.rank + 1) * rows]
             shard = self.local_flat[off:off + n].view(rows, *s.shape[1:])
-            shard[:mine.shape[0]].copy_(mine)  # rows past the end stay zero (padding)
+            if not s.param.is_meta:  # on meta: no values yet, a checkpoint fills the shard
+                mine = s.param.detach()[self.rank * rows:(self.rank + 1) * rows]
+                shard[:mine.shape[0]].copy_(mine)  # rows past the end stay zero (padding)
             self.sharded_params.append(nn.Parameter(shard, requires_grad=s.param.requires_grad))
             # The full parameter lives in a padded tensor of N*rows rows, freed when
             # sharded; the module computes with the first d0 rows of it.

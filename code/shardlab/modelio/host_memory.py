@@ -11,8 +11,9 @@
                reads through a memory map, whose pages count as resident (they are the
                page cache, shared between ranks and dropped under pressure): 2 x 4Ψ/N
 
-All three shard with PyTorch's `fully_shard` (the one strategy here that materializes
-only its shards). A run per way, in fresh ranks: a process's peak only grows.
+All three shard with PyTorch's `fully_shard` by default; "full" and "meta" take any
+strategy that shards on meta (`SHARDS_ON_META`: the course's `fsdp2` too). A run per way,
+in fresh ranks: a process's peak only grows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from shardlab.launch import rank_device
 from shardlab.measure import host_peak_bytes, host_rss_bytes, reset_host_peak
 from shardlab.modelio.hf_files import WEIGHTS
-from shardlab.modelio.meta import build_on_meta, restore_buffers, wrap_on_meta
+from shardlab.modelio.meta import SHARDS_ON_META, build_on_meta, restore_buffers, wrap_on_meta
 from shardlab.models import build_model
 from shardlab.precision import get_precision
 from shardlab.strategy import get_strategy, optimizer_spec
@@ -49,22 +50,26 @@ def predicted_bytes(way: str, psi_bytes: int, largest_bytes: int, world: int,
 
 
 def load_one_way(way: str, folder: str, name: str, config: dict | None = None,
-                 warm_up: str | None = None) -> dict:
-    """Run on every rank (a launch per way): load `folder` into `name` sharded by PyTorch's
-    fully_shard the way `way` says; return this rank's peak host bytes above what it
+                 warm_up: str | None = None, strategy: str = "torch-fsdp2") -> dict:
+    """Run on every rank (a launch per way): load `folder` into `name` sharded by
+    `strategy` the way `way` says; return this rank's peak host bytes above what it
     held before, and the model's sizes. `warm_up`: a folder of the model with WARM_UP's
-    settings, loaded the same way first."""
+    settings, loaded the same way first. ("broadcast" is PyTorch's own, for its
+    `fully_shard` alone.)"""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          set_model_state_dict)
 
     if way not in WAYS:
         raise ValueError(f"unknown way {way!r}; use one of {WAYS}")
+    if strategy not in SHARDS_ON_META or (way == "broadcast" and strategy != "torch-fsdp2"):
+        raise ValueError(f"way {way!r} with strategy {strategy!r}: use a strategy of "
+                         f"{sorted(SHARDS_ON_META)} (\"broadcast\": torch-fsdp2 only)")
     if warm_up:  # the code's own first-use memory (imports, caches) is not the model's
-        load_one_way(way, warm_up, name, {**(config or {}), **WARM_UP}, None)
+        load_one_way(way, warm_up, name, {**(config or {}), **WARM_UP}, None, strategy)
     rank, device = dist.get_rank(), rank_device()
     precision, spec = get_precision("fp32"), optimizer_spec("adamw", 1e-3)
-    wrap = get_strategy("torch-fsdp2")
+    wrap = get_strategy(strategy)
     reset_host_peak()
     before = host_rss_bytes()
     if way == "full":
@@ -80,8 +85,7 @@ def load_one_way(way: str, folder: str, name: str, config: dict | None = None,
             full_state_dict=True, broadcast_from_rank0=True, strict=False))
         del full
     else:
-        wrapped = wrap_on_meta(name, config, "torch-fsdp2", precision, spec, {}, device,
-                               folder)
+        wrapped = wrap_on_meta(name, config, strategy, precision, spec, {}, device, folder)
     peak = host_peak_bytes() - before
     sizes = [p.numel() * p.element_size() for p in build_on_meta(name, config).parameters()]
     del wrapped

@@ -1,15 +1,17 @@
 """A pretrained model into shards through the `meta` device: no rank builds it whole.
 
     model = build_on_meta(name, config)     shapes and dtypes, no storage, no init
-    wrapped = strategy(model, ...)          PyTorch's fully_shard shards a meta model
-    wrapped.module.to_empty(device)         storage for this rank's shards only
+    wrapped = strategy(model, ...)          a sharding strategy cuts a meta model
+    materialize(wrapped.module, device)     storage for this rank's shards only
     restore_buffers(wrapped.module, ...)    buffers no checkpoint holds, rebuilt
     load_into(folder, wrapped)              each rank reads its pieces from the file
 
-The course's own strategies read every value while they wrap (they check that the ranks
-agree, and copy each value into its shard), so for them the order is to_empty, restore
-the buffers, read the whole file, then wrap: each rank holds the whole model once (no
-random init, though), until the strategy frees what is not its shard.
+PyTorch's `fully_shard` and the course's `zero3`, `fsdp2` and `hsdp` shard a model on
+meta: PyTorch's leaves its shards on meta for `to_empty`; the course's give each shard
+storage as they cut it (`shardlab.strategy.storage_device`). The strategies that keep the
+whole model on every rank (DDP, ZeRO-1/2) have nothing to save, so for them the order is
+to_empty, restore the buffers, read the whole file, then wrap: each rank holds the whole
+model, as it will while it trains, but never a random init of it.
 
 Its trap is the third line. `to_empty` gives every tensor storage and no values, buffers
 too, and a buffer that is not `persistent` is in no checkpoint: Llama's rotary `inv_freq`
@@ -33,11 +35,11 @@ from shardlab.models import build_model
 from shardlab.precision import Precision
 from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
 
-# Strategies that shard a model with no storage and then materialize only the local
-# shards (`fully_shard`'s documented meta path). The course's strategies read every value
-# while they wrap (to check that the ranks agree, and to copy it into a shard), so their
-# model gets storage and its weights first, and is sharded after.
-SHARDS_ON_META = frozenset({"torch-fsdp2"})
+# Strategies that shard a model with no storage, so that only the local shards ever get
+# any: PyTorch's `fully_shard` (its documented meta path) and the course's sharded
+# layouts. The others hold the whole model on every rank: it gets storage and its weights
+# first, and is wrapped after.
+SHARDS_ON_META = frozenset({"torch-fsdp2", "zero3", "fsdp2", "hsdp"})
 
 
 def build_on_meta(name: str, config: dict | None = None) -> nn.Module:
@@ -102,6 +104,19 @@ def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
             setattr(model.get_submodule(owner) if owner else model, attr, shared)
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Storage on `device` for whatever wrapping left on meta. PyTorch's `fully_shard`
+    leaves its shards there, for `to_empty` (its documented way); the course's strategies
+    gave their shards storage as they cut them, and leave only the buffers."""
+    if any(p.is_meta for p in module.parameters()):
+        module.to_empty(device=device)
+        return
+    for m in module.modules():
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                m._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 def wrap_on_meta(name: str, config: dict | None, strategy: str, precision: Precision,
                  optimizer: OptimizerSpec, options: dict, device: torch.device,
                  folder: str, skip_buffers: Iterable[str] = (),
@@ -117,7 +132,7 @@ def wrap_on_meta(name: str, config: dict | None, strategy: str, precision: Preci
     wrap = get_strategy(strategy)
     if strategy in SHARDS_ON_META:
         wrapped = wrap(model, precision, optimizer, dict(options))
-        wrapped.module.to_empty(device=device)  # only this rank's shards get storage
+        materialize(wrapped.module, device)  # only this rank's shards get storage
         restore_buffers(wrapped.module, name, config, skip_buffers)
         load_into(folder, wrapped)
         return wrapped
