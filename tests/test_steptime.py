@@ -1,7 +1,8 @@
 """The step-time model's arithmetic, on a fixed machine and fixed ledgers (no clock read).
 
 * compute: forward 2ΨT/F, backward 4ΨT/F, the optimizer Ψ (or Ψ/N, sharded) x AdamW's rate;
-* each collective by the α-β fit, gloo's reduce-scatter priced as the all-reduce it is;
+* each collective by the α-β fit, gloo's reduce-scatter priced as the all-reduce it is and
+  gloo's broadcast as the binomial tree it is;
 * exposed time by the schedule: DDP's last bucket, the window backward gives, nothing
   hidden where compute hides nothing (`hiding` = 0);
 * the planned collectives send the ZeRO paper's volumes (2Ψ, 3Ψ) and match a ledger's;
@@ -90,6 +91,23 @@ def test_gloo_reduce_scatter_costs_an_all_reduce(model):
     off = predict_step("zero1", model, WORLD, {"overlap_all_gather": False}, MACHINE,
                        tokens=TOKENS, ledger=ledger)
     assert [c.phase for c in off.collectives] == ["step", "step"]
+
+
+def test_gloo_broadcast_costs_a_binomial_tree(model):
+    """ZeroRedundancyOptimizer broadcasts each parameter from its owner; gloo runs a
+    broadcast as ceil(log2 N) rounds of the whole tensor, NCCL as a pipelined chain."""
+    ledger = [record("all_reduce", 1 << 20)] + [record("broadcast", 4096)] * 10
+    gloo = Machine(1e9, 1e-4, 1e8, 1e-8, 1.0, gloo=True)
+    for world, rounds in ((2, 1), (3, 2), (4, 2), (8, 3)):
+        step = predict_step("torch-zero1", model, world, {}, gloo, tokens=TOKENS,
+                            ledger=[record(r.op, r.logical_bytes, world) for r in ledger])
+        tree = [c.seconds for c in step.collectives if c.op == "broadcast"]
+        assert tree == [pytest.approx(rounds * (1e-4 + 4096 / 1e8))] * 10
+    chain = predict_step("torch-zero1", model, WORLD, {}, MACHINE, tokens=TOKENS,
+                         ledger=ledger)
+    assert chain.collectives[-1].seconds == pytest.approx(
+        comm.predict_seconds("broadcast", 4096, WORLD, 1e-4, 1e8))
+    assert chain.collectives[-1].seconds > 2 * (1e-4 + 4096 / 1e8)  # 6 rounds of α
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "torch-ddp", "zero1", "zero2", "zero3",

@@ -52,7 +52,8 @@ class Machine:
     beta: float                    # bytes/s of one ring round (α-β fit)
     adam_seconds: float            # AdamW's seconds per parameter stepped
     hiding: float = 1.0            # share of overlapped communication that is hidden
-    gloo: bool = True              # a native reduce-scatter runs as an all-reduce
+    gloo: bool = True              # gloo's algorithms: reduce-scatter as an all-reduce,
+                                   # broadcast as a binomial tree
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
@@ -205,11 +206,17 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 
 
 def collective_seconds(op: str, nbytes: int, world: int, machine: Machine) -> float:
-    """α-β time of one collective over a tensor of `nbytes` (gloo's reduce-scatter is
-    an all-reduce: its copies cost one)."""
+    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it. On
+    gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
+    broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
+    rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
+    (N + N - 2 rounds of 1/N)."""
     op = op.removeprefix("ring_")
-    if op == "reduce_scatter" and machine.gloo:
-        op = "all_reduce"
+    if machine.gloo:
+        if op == "reduce_scatter":
+            op = "all_reduce"
+        elif op == "broadcast" and world > 1 and nbytes > 0:
+            return math.ceil(math.log2(world)) * (machine.alpha + nbytes / machine.beta)
     return predict_seconds(op, nbytes, world, machine.alpha, machine.beta)
 
 
