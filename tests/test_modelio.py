@@ -21,6 +21,8 @@ from shardlab.modelio import build_on_meta, check_matches, read_model_config
 from shardlab.modelio.export import export_hf, main as export_main
 from shardlab.modelio.host_memory import WARM_UP, load_one_way, predicted_bytes
 from shardlab.models import build_model, get_batch
+from shardlab.precision import get_precision
+from shardlab.strategy import get_strategy, optimizer_spec
 
 transformers = pytest.importorskip("transformers")
 SKIPPED = "model.rotary_emb.inv_freq"
@@ -92,6 +94,17 @@ def test_our_fsdp2_loads_through_meta_holding_its_shards_not_the_model(tmp_path)
         meta, whole = (predicted_bytes(way, r["psi_bytes"], r["largest_bytes"], 2, r["rank"])
                        for way in ("meta", "full"))
         assert r["peak"] < (meta + whole) / 2, (r["rank"], r["peak"] / 2**20, meta / 2**20)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "torch-zero1", "single"])
+def test_a_strategy_that_keeps_the_whole_model_refuses_a_meta_model(strategy):
+    """In one line, before any collective or any read of a value the model lacks."""
+    wrap = get_strategy(strategy)
+    with pytest.raises(ValueError, match=f"strategy '{strategy}' keeps the whole model on "
+                                         f"every rank and cannot wrap a model on the meta"):
+        wrap(build_on_meta("gpt-tiny"), get_precision("fp32"),
+             optimizer_spec("adamw", 1e-3), {})
+    assert wrap.__name__.startswith("wrap_")  # still the strategy's own, as registered
 
 
 def test_export_loads_with_from_pretrained_and_gives_equal_logits(ran, tmp_path, one_thread):

@@ -25,6 +25,7 @@ strategies import it, and it imports none of them (the registry names them as st
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, ContextManager
@@ -408,6 +409,13 @@ STRATEGIES: dict[str, str] = {
 }
 
 
+# Strategies that can wrap a model built on the meta device (no storage): they cut it into
+# shards and give storage to this rank's shards alone, and a checkpoint is read into them
+# after (`shardlab.modelio.wrap_on_meta`): PyTorch's `fully_shard` (its documented meta
+# path) and the course's sharded layouts. The others keep the whole model on every rank.
+SHARDS_ON_META = frozenset({"torch-fsdp2", "zero3", "fsdp2", "hsdp"})
+
+
 def _strategy_module(name: str):
     """The module that holds strategy `name` (imported on first use)."""
     if name not in STRATEGIES:
@@ -416,7 +424,24 @@ def _strategy_module(name: str):
 
 
 def get_strategy(name: str) -> Callable[..., Wrapped]:
-    return getattr(_strategy_module(name), STRATEGIES[name].split(":")[1])
+    wrap = getattr(_strategy_module(name), STRATEGIES[name].split(":")[1])
+    if name in SHARDS_ON_META:
+        return wrap
+
+    @functools.wraps(wrap)
+    def refusing_meta(model: nn.Module, *args, **kwargs) -> Wrapped:
+        # Refused here, in one line, rather than deep inside torch at the first read of
+        # a value the model does not have.
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"strategy {name!r} keeps the whole model on every rank and cannot wrap a "
+                f"model on the meta device (it has no values): give it storage and "
+                f"weights first, or load it with shardlab.modelio.wrap_on_meta, which "
+                f"does both for {name!r}; the strategies that shard a meta model are "
+                f"{sorted(SHARDS_ON_META)}")
+        return wrap(model, *args, **kwargs)
+
+    return refusing_meta
 
 
 def checkpoint_refusal(name: str) -> str | None:

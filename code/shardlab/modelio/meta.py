@@ -33,14 +33,7 @@ from torch import nn
 from shardlab.modelio.hf_files import check_matches, load_into, load_module
 from shardlab.models import build_model
 from shardlab.precision import Precision
-from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
-
-# Strategies that shard a model with no storage, so that only the local shards ever get
-# any: PyTorch's `fully_shard` (its documented meta path) and the course's sharded
-# layouts. The others hold the whole model on every rank: it gets storage and its weights
-# first, and is wrapped after.
-SHARDS_ON_META = frozenset({"torch-fsdp2", "zero3", "fsdp2", "hsdp"})
-
+from shardlab.strategy import SHARDS_ON_META, OptimizerSpec, Wrapped, get_strategy
 
 def build_on_meta(name: str, config: dict | None = None) -> nn.Module:
     """The model `name`: every parameter and buffer on the meta device (no bytes)."""
