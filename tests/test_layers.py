@@ -24,7 +24,7 @@ LAYERS = {
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
-        "comm.flight", "comm.hang_diagnosis", "comm.links", "hangs", "clip"},
+        "comm.flight", "comm.hang_diagnosis", "comm.links", "hangs", "clip", "optimizers"},
     2: {"strategy"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
