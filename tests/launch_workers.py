@@ -1,5 +1,6 @@
 """Workers for the launcher's tests: they must live in an importable module."""
 
+import ctypes
 import os
 import signal
 import time
@@ -114,8 +115,9 @@ def launch_descendants(root: int) -> list[int]:
 
 
 def end_silently_while_the_peer_fails(how: str) -> int:
-    """Rank 1 loads every core, then ends without a word (killed by SIGKILL, or
-    `os._exit(3)`), and rank 0's next collective fails because of it, writing an error.
+    """Rank 1 loads every core, then ends without a word (killed by SIGKILL, crashed in
+    native code by SIGSEGV, or `os._exit(3)`), and rank 0's next collective fails because
+    of it, writing an error.
     Before it ends, rank 1 leaves a child holding its descriptors (its sockets closed, so
     that rank 0 sees them close): a spawned rank's end then reaches the launcher only when
     that child ends, after rank 0's error, which is what a busy machine does by chance. A
@@ -137,6 +139,8 @@ def end_silently_while_the_peer_fails(how: str) -> int:
             os._exit(0)
         if how == "signal":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "segfault":
+            ctypes.string_at(0)  # reads address 0, as a crash inside a C++ library does
         os._exit(3)
     dist.all_reduce(t)  # fails: the peer is gone
     return 0

@@ -24,6 +24,26 @@ LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote worker",
 ECHO_GRACE = 2.0  # seconds to wait, after an echo, for the rank that caused it to end
 
 
+FAULT_MARK = "Fatal Python error: "  # how faulthandler begins its report
+FAULT_LINES = 40  # enough for the crashing thread's stack and the others' first frames
+
+
+def fault_report(run_dir: Path, rank: int) -> str:
+    """What Python's faulthandler wrote in rank `rank`'s stderr file when native code
+    crashed it (the launcher enables it in every rank): "" when it wrote nothing."""
+    try:
+        text = (run_dir / f"rank{rank}.err").read_text(errors="replace")
+    except OSError:
+        return ""
+    at = text.rfind(FAULT_MARK)
+    if at < 0:
+        return ""
+    lines = text[at:].rstrip().splitlines()
+    more = len(lines) - FAULT_LINES
+    return "\n".join(lines[:FAULT_LINES] + ([f"... ({more} more lines in the rank's "
+                                                f"stderr)"] if more > 0 else []))
+
+
 def _ended_silently(ranks: list[RankProcess], run_dir: Path) -> list[RankProcess]:
     """Ranks that ended without an error written and without a result: killed by a
     signal, or exited without a word."""
@@ -58,12 +78,15 @@ def the_cause(ranks: list[RankProcess], run_dir: Path) -> RankFailed:
     if silent:
         r = silent[0]
         code = r.process.exitcode
+        fault = fault_report(run_dir, r.rank)
         if code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = str(-code)
-            how = (f"was killed by signal {name} (from outside, or by the kernel for lack "
+            how = (f"crashed in native code (signal {name}); where its threads were, from "
+                   f"Python's faulthandler:\n{fault}" if fault else
+                   f"was killed by signal {name} (from outside, or by the kernel for lack "
                    f"of memory?)")
         else:
             how = f"exited with code {code} without a result or an error"

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import faulthandler
 import os
 import pickle
 import sys
@@ -144,6 +145,10 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
         os.dup2(f.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # A crash in native code (SIGSEGV, SIGABRT, ...) kills the rank before Python can write
+    # an error: the Python stacks of all its threads go to its stderr file instead, where
+    # `blame` finds them to say where the rank was.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         os.environ.clear()
         os.environ.update(surroundings["environ"])
