@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shardlab.launch import rank_device
 from shardlab.measure import host_peak_bytes, host_rss_bytes, reset_host_peak
 from shardlab.modelio.hf_files import WEIGHTS
-from shardlab.modelio.meta import build_on_meta, restore_buffers, wrap_on_meta
+from shardlab.modelio.meta import build_on_meta, materialize, restore_buffers, wrap_on_meta
 from shardlab.models import build_model
 from shardlab.precision import get_precision
 from shardlab.strategy import SHARDS_ON_META, get_strategy, optimizer_spec
@@ -78,7 +78,7 @@ def load_one_way(way: str, folder: str, name: str, config: dict | None = None,
         wrapped = wrap(model, precision, spec, {})
     elif way == "broadcast":
         wrapped = wrap(build_on_meta(name, config), precision, spec, {})
-        wrapped.module.to_empty(device=device)
+        materialize(wrapped.module, device)  # the meta path's own rule for storage
         restore_buffers(wrapped.module, name, config)
         full = load_file(str(Path(folder) / WEIGHTS)) if rank == 0 else {}
         set_model_state_dict(wrapped.module, full, options=StateDictOptions(
