@@ -36,6 +36,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from shardlab.cards import CARDS
 from shardlab.demo import measure_machine, run_all
 from shardlab.launch import launch
 from shardlab import viz
@@ -44,6 +45,7 @@ from shardlab.report import ledger_totals, median_step_time, production_metrics
 from shardlab.steptime import predict_step
 from shardlab.train import TrainConfig, train_many
 
+# the strategies of the results file (any strategy whose card has a schedule can run)
 STRATEGIES = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero3", "fsdp2",
               "torch-fsdp2"]
 # three sizes of the course's GPT: {label: (model, config)}
@@ -222,7 +224,9 @@ def trace(folder: str, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES,
+                   choices=sorted(n for n, c in CARDS.items()
+                                  if c.schedule is not None and not c.one_process))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="steps per run (first and last "
                    "left out of the timing)")

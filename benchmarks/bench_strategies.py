@@ -7,8 +7,8 @@ hits all of them alike), with memory tracking and the ledger off; the step time 
 is the slowest rank's median step (a step ends when every rank has its gradients), and a
 strategy's time is the median over repetitions. One more run per strategy, with memory
 tracking and the ledger on, gives the bytes each rank holds and sends. The ratio compares
-each strategy with its reference in `REFERENCES`: PyTorch's own implementation of the
-same idea.
+each strategy with its reference, named on its card (`shardlab.cards`): PyTorch's own
+implementation of the same idea, or DeepSpeed's (`--against deepspeed`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,17 @@ import sys
 from dataclasses import replace
 
 from shardlab.report import ledger_totals, median_step_time, report_to_json
-from shardlab.strategy import STRATEGIES
+from shardlab.cards import CARDS
 from shardlab.train import TrainConfig, run
 
-# strategy -> the implementation it is measured against: PyTorch's own (default), or
-# DeepSpeed's stage of the same number (--against deepspeed)
-REFERENCES: dict[str, dict[str, str]] = {
-    "pytorch": {"ddp": "torch-ddp", "ddp-naive": "torch-ddp", "zero1": "torch-zero1",
-                "zero2": "torch-fsdp2", "zero3": "torch-fsdp2", "fsdp2": "torch-fsdp2"},
-    "deepspeed": {"zero1": "deepspeed-zero1", "zero2": "deepspeed-zero2",
-                  "zero3": "deepspeed-zero3", "torch-zero1": "deepspeed-zero1",
-                  "torch-fsdp2": "deepspeed-zero3", "fsdp2": "deepspeed-zero3"},
-}
+AGAINST = ("pytorch", "deepspeed")
+
+
+def reference_of(strategy: str, against: str = "pytorch") -> str | None:
+    """The implementation `strategy` is measured against, from its card: PyTorch's own
+    (`reference`), or DeepSpeed's stage of the same number (`deepspeed_reference`)."""
+    found = CARDS[strategy]
+    return found.reference if against == "pytorch" else found.deepspeed_reference
 
 MIB = 1024 * 1024
 
@@ -56,7 +55,7 @@ def parse_options(items: list[str]) -> dict[str, dict]:
     for item in items:
         strategy, _, assignment = item.partition(":")
         key, sep, value = assignment.partition("=")
-        if not sep or strategy not in STRATEGIES:
+        if not sep or strategy not in CARDS:
             raise SystemExit(f"--option takes STRATEGY:KEY=VALUE with a known strategy, "
                              f"got {item!r}")
         try:
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--strategies", nargs="+", default=["ddp", "torch-ddp"],
-                   choices=sorted(STRATEGIES))
+                   choices=sorted(CARDS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=8, help="steps per run (first and last "
                    "are left out of the timing)")
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--option", action="append", default=[], metavar="STRATEGY:KEY=VALUE")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--against", default="pytorch", choices=sorted(REFERENCES),
+    p.add_argument("--against", default="pytorch", choices=AGAINST,
                    help="whose implementation the ratio compares with")
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
     p.add_argument("--results", metavar="PATH",
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     options = parse_options(args.option)
-    references = REFERENCES[args.against]
+    references = {s: reference_of(s, args.against) for s in args.strategies}
     base = TrainConfig(world=args.world, model=args.model, precision=args.precision,
                        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                        measure_memory=False, record_ledger=False)

@@ -80,8 +80,8 @@ def results(tmp_path_factory):
 
 
 def test_hsdp_and_torch_hsdp_are_registered():
-    from shardlab.strategy import STRATEGIES
-    assert {"hsdp", "torch-hsdp"} <= set(STRATEGIES)
+    from shardlab.cards import CARDS
+    assert {"hsdp", "torch-hsdp"} <= set(CARDS)
 
 
 def test_hsdp_matches_pytorch_hsdp_exactly(results):

@@ -14,6 +14,7 @@ import torch
 
 from modelio_workers import SEED, meta_cases
 from shardlab import memory
+from shardlab.cards import CARDS
 from shardlab.config import TrainConfig
 from shardlab.memory.planner import main as memory_main
 from shardlab.launch import launch
@@ -27,6 +28,8 @@ from shardlab.strategy import get_strategy, optimizer_spec
 transformers = pytest.importorskip("transformers")
 SKIPPED = "model.rotary_emb.inv_freq"
 MEASURED = ("ddp", "torch-fsdp2")  # the planner's prediction from config.json, checked
+ON_META = [name for name, card in CARDS.items() if card.shards_on_meta]
+OPTIONS = {"hsdp": {"shard_group": 1}}  # 2 replicas of 1 shard
 COUNTER = 4  # Adam's step counter: one fp32 scalar per stepped tensor
 
 
@@ -47,9 +50,8 @@ def folders(tmp_path_factory):
 def ran(folders, tmp_path_factory):
     """One launch on 2 ranks: every case, then a run that trains and saves."""
     cases = [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
-              "measure": s in MEASURED} for s in ("ddp", "zero3", "fsdp2", "torch-fsdp2")]
-    cases += [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": "hsdp",
-               "options": {"shard_group": 1}}]  # 2 replicas of 1 shard
+              "measure": s in MEASURED, "options": OPTIONS.get(s, {})}
+             for s in ("ddp", *ON_META)]  # every strategy that shards a meta model
     cases += [{"model": "hf-gpt2", "folder": folders["hf-gpt2"], "strategy": s}
               for s in ("zero1", "fsdp2", "torch-fsdp2")]  # a tied head
     cases += [{"model": "hf-llama", "folder": folders["hf-llama"], "strategy": s,
@@ -96,7 +98,7 @@ def test_our_fsdp2_loads_through_meta_holding_its_shards_not_the_model(tmp_path)
         assert r["peak"] < (meta + whole) / 2, (r["rank"], r["peak"] / 2**20, meta / 2**20)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "torch-zero1", "single"])
+@pytest.mark.parametrize("strategy", [n for n, c in CARDS.items() if not c.shards_on_meta])
 def test_a_strategy_that_keeps_the_whole_model_refuses_a_meta_model(strategy):
     """In one line, before any collective or any read of a value the model lacks."""
     wrap = get_strategy(strategy)

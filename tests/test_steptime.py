@@ -20,7 +20,8 @@ from shardlab import comm
 from shardlab.comm import CollectiveRecord
 from shardlab.models import build_model
 from shardlab.report import RunReport, production_metrics
-from shardlab.steptime import (Machine, SCHEDULES, exposed_seconds, matmul_rate,
+from shardlab.cards import CARDS
+from shardlab.steptime import (PLANS, Machine, exposed_seconds, matmul_rate,
                                planned_collectives, predict_step)
 
 MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)
@@ -110,8 +111,7 @@ def test_gloo_broadcast_costs_a_binomial_tree(model):
     assert chain.collectives[-1].seconds > 2 * (1e-4 + 4096 / 1e8)  # 6 rounds of α
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "torch-ddp", "zero1", "zero2", "zero3",
-                                      "fsdp2", "torch-fsdp2"])
+@pytest.mark.parametrize("strategy", [n for n, c in CARDS.items() if c.schedule is not None])
 def test_planned_collectives_send_the_papers_volume(model, strategy):
     step = predict_step(strategy, model, WORLD, {"bucket_mb": 0.1}, MACHINE, tokens=TOKENS)
     psi = psi_of(model)
@@ -154,7 +154,8 @@ def test_timeline_ends_at_the_predicted_step(model, strategy):
 
 
 def test_every_schedule_is_a_known_strategy():
-    assert set(SCHEDULES) <= set(comm.VOLUME_FACTORS)
+    timed = [c for c in CARDS.values() if c.schedule is not None]
+    assert timed and all(c.volume_factor is not None and c.plan in PLANS for c in timed)
 
 
 def test_bad_input_is_refused_in_one_line(model):

@@ -22,7 +22,8 @@ from shardlab.launch import (BACKENDS, DEVICES, LaunchError, RankFailed, check_w
                              first_to_say, under_torchrun)
 from shardlab.models import LOSS_MEANS, MODEL_NAMES, build_model
 from shardlab.report import report_to_json, summary_table, whereabouts_lines
-from shardlab.strategy import OPTIMIZERS, STRATEGIES
+from shardlab.cards import CARDS, card, names
+from shardlab.strategy import OPTIMIZERS
 from shardlab.config import TrainConfig, check_writable_folder
 from shardlab.train import run
 from shardlab.wrap import unit_modules
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--world N) or under torchrun (torchrun --nproc-per-node=N -m "
                     "shardlab train ...).")
     defaults = TrainConfig()
-    p.add_argument("--strategy", default=defaults.strategy, choices=sorted(STRATEGIES))
+    p.add_argument("--strategy", default=defaults.strategy, choices=sorted(CARDS))
     p.add_argument("--world", type=int, default=None,
                    help="ranks to launch (default 1; under torchrun: its WORLD_SIZE)")
     p.add_argument("--nodes", type=int, default=None,
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="a strategy option, e.g. bucket_mb=4 (repeatable)")
     p.add_argument("--wrap", metavar="POLICY",
-                   help="the units of zero3/fsdp2/torch-fsdp2: auto, blocks, model, "
-                        "class:Name[,Name], min-params:N (see shardlab.wrap)")
+                   help=f"the units of {'/'.join(names(takes_units=True))}: auto, blocks, "
+                        f"model, class:Name[,Name], min-params:N (see shardlab.wrap)")
     p.add_argument("--model-config", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="a setting of the model's architecture, e.g. "
                                              "n_layer=12 (repeatable)")
@@ -115,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variable-lengths", action="store_true",
                    help="rows of different lengths, padded with ignored tokens (label -100)")
     return p
-
-
-SHARDS_BY_UNITS = ("zero3", "fsdp2", "torch-fsdp2")
 
 
 # The library's messages name TrainConfig's fields and load's arguments; said from the
@@ -179,14 +177,16 @@ def _config(args) -> TrainConfig:
         args.resume = True
     world = next((w for w in (args.resume_world, args.world) if w is not None),
                  int(os.environ["WORLD_SIZE"]) if torchrun else 1)
-    if args.strategy == "single" and world != 1:
-        raise ValueError("strategy 'single' runs on one process: use --world 1 "
-                         "(or torchrun --nproc-per-node=1)")
+    strategy = card(args.strategy)
+    if strategy.one_process and world != 1:
+        raise ValueError(f"strategy {strategy.name!r} runs on one process: use --world 1 "
+                         f"(or torchrun --nproc-per-node=1)")
     options = dict(args.option)
     if args.wrap is not None:
-        if args.strategy not in SHARDS_BY_UNITS:
-            raise ValueError(f"--wrap chooses the units of {', '.join(SHARDS_BY_UNITS)}; "
-                             f"strategy {args.strategy!r} has none")
+        if not strategy.takes_units:
+            raise ValueError(f"--wrap chooses the units of "
+                             f"{', '.join(names(takes_units=True))}; strategy "
+                             f"{strategy.name!r} has none")
         options["wrap"] = args.wrap
     if args.json:
         folder = Path(args.json).parent

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlab import checkpoint, modelio
+from shardlab.cards import OURS, card, names
 from shardlab.debugging import check_memory_limit, check_straggler
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
                              corpus_tokens, longest_sequence)
@@ -97,10 +98,10 @@ class TrainConfig:
         if self.clip_local_norm and self.clip_norm is None:
             raise ValueError("clip_local_norm (the mistake of clipping by each rank's own "
                              "norm) needs clip_norm, the norm to clip to")
-        if self.clip_local_norm and self.strategy.startswith(("torch-", "deepspeed-")):
+        if self.clip_local_norm and card(self.strategy).clips_by_own_library:
             raise ValueError(f"clip_local_norm is a mistake rehearsed with the course's "
                              f"strategies; {self.strategy!r} clips with its own library's "
-                             f"global norm: use one of ddp, zero1, zero2, zero3, fsdp2")
+                             f"global norm: use one of {', '.join(names(family=OURS))}")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \

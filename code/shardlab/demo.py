@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.cards import card
 
 
 def whoami() -> tuple[int, int, str]:
@@ -283,7 +284,7 @@ def train_across_nodes(runs: list[tuple], ranks_per_node: int,
     fast = fast or measure_link()
     reports = []
     for config, factor in runs:
-        spans = not config.strategy.endswith("hsdp") and config.world > ranks_per_node
+        spans = not card(config.strategy).labels_own_links and config.world > ranks_per_node
         comm.label_link(None, comm.INTER if spans else comm.UNLABELLED)
         comm.throttle_link(comm.INTER, fast.alpha * (factor - 1), (factor - 1) / fast.beta)
         try:

@@ -56,7 +56,8 @@ def _a_divisor(world: int) -> int:
 
 
 def check_options_before_launch(strategy: str, options: dict, world: int) -> None:
-    """Called by `shardlab.config.TrainConfig.validate`, before any process starts."""
+    """The cards' `launch_check` of `hsdp` and `torch-hsdp`: called by
+    `shardlab.config.TrainConfig.validate`, before any process starts."""
     check_shard_group(strategy, options, world)
 
 

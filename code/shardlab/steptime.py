@@ -11,7 +11,7 @@ what of the communication the strategy's schedule leaves exposed.
                     α-β fit of the ring (`comm.predict_seconds`); on gloo a native
                     reduce-scatter is an all-reduce (DESIGN.md), so it costs one
     exposed         the strategy's schedule: where each collective runs and what compute
-                    it can hide behind (the table `SCHEDULES`)
+                    it can hide behind (its card's `schedule`, `shardlab.cards`)
 
 A collective hides behind compute only as well as the machine lets it: on a GPU NCCL runs
 on its own stream (`hiding` = 1); on a CPU gloo's copies run on the cores that compute,
@@ -30,13 +30,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
-from shardlab.comm.volumes import VOLUME_FACTORS, predict_seconds
+from shardlab.comm.volumes import predict_seconds
 from shardlab.wrap import unit_modules
 
 MB = 2**20
@@ -60,30 +61,6 @@ class Machine:
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
                              f"adam_seconds >= 0 and 0 <= hiding <= 1, got {self}")
-
-
-# Where each kind of collective runs, by strategy (see `exposed_seconds` for the rules):
-#   produced   launched as backward produces gradients: the last one cannot hide
-#   prefetched gathered ahead of the compute that needs it: the first one cannot hide
-#   waited     launched and waited for at once: nothing hides it
-# and behind which compute: "forward", "backward", or "step" (nothing: after backward or
-# after the optimizer step). Forward and backward collectives of ZeRO-3/FSDP2 are the
-# all-gathers split in two halves, the forward's first.
-SCHEDULES = {
-    "ddp": {"all_reduce": ("backward", "produced")},
-    "torch-ddp": {"all_reduce": ("backward", "produced")},
-    "ddp-naive": {"all_reduce": ("step", "waited")},
-    "zero1": {"reduce_scatter": ("step", "waited"), "all_gather": ("forward", "prefetched")},
-    "zero2": {"reduce_scatter": ("backward", "produced"),
-              "all_gather": ("forward", "prefetched")},
-    "torch-zero1": {"all_reduce": ("backward", "produced"), "broadcast": ("step", "waited")},
-    "zero3": {"all_gather": (("forward", "waited"), ("backward", "waited")),
-              "reduce_scatter": ("backward", "produced")},
-    "torch-fsdp2": {"all_gather": (("forward", "waited"), ("backward", "prefetched")),
-                    "reduce_scatter": ("backward", "produced")},
-}
-SCHEDULES["fsdp2"] = SCHEDULES["zero3"]
-SHARDED_STEP = ("zero1", "zero2", "torch-zero1", "zero3", "fsdp2", "torch-fsdp2")
 
 
 @dataclass
@@ -161,48 +138,91 @@ class StepPrediction:
         return spans
 
 
+# The rules that list one step's collectives, (op, bytes of the whole tensor) in launch
+# order, from a strategy's options alone; a card names its rule (`StrategyCard.plan`).
+Plan = Callable[[nn.Module, list[nn.Parameter], dict, int], list[tuple[str, int]]]
+
+
+def _buckets(nbytes: int, first_mb: float, mb: float) -> list[int]:
+    """`nbytes` cut into buckets: the first `first_mb`, then `mb` each."""
+    out, left, limit = [], nbytes, first_mb * MB
+    while left > 0:
+        out.append(int(min(left, limit)))
+        left -= out[-1]
+        limit = mb * MB
+    return out
+
+
+def _ddp_buckets(model, params, options, bytes_per_elem):
+    """DDP's buckets, all-reduced: the first `first_bucket_mb`, then `bucket_mb`."""
+    total = sum(p.numel() for p in params) * bytes_per_elem
+    return [("all_reduce", b) for b in _buckets(total, options.get("first_bucket_mb", 1.0),
+                                                options.get("bucket_mb", 25.0))]
+
+
+def _ddp_buckets_then_broadcasts(model, params, options, bytes_per_elem):
+    """DDP's buckets, then each parameter broadcast by the rank that stepped it
+    (PyTorch's ZeroRedundancyOptimizer)."""
+    return (_ddp_buckets(model, params, options, bytes_per_elem)
+            + [("broadcast", p.numel() * bytes_per_elem) for p in params])
+
+
+def _per_parameter(model, params, options, bytes_per_elem):
+    """One all-reduce per parameter (naive DDP)."""
+    return [("all_reduce", p.numel() * bytes_per_elem) for p in params]
+
+
+def _zero_buckets(model, params, options, bytes_per_elem):
+    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered, then all-gathered."""
+    mb = options.get("bucket_mb", 25.0)
+    zero = _buckets(sum(p.numel() for p in params) * bytes_per_elem, mb, mb)
+    return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in zero]
+
+
+def _units(model, params, options, bytes_per_elem):
+    """ZeRO-3/FSDP2's units (the `wrap` option): each gathered in forward (the root
+    first) and in backward (the root last), and its gradients reduce-scattered."""
+    units, seen = [], set()
+    for unit in unit_modules(model, options.get("wrap", "auto")):
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        units.append(sum(p.numel() for p in own if p.requires_grad) * bytes_per_elem)
+    forward = [("all_gather", b) for b in units[::-1]]     # the root first
+    backward = [("all_gather", b) for b in units]          # the root last
+    return forward + backward + [("reduce_scatter", b) for b in units]
+
+
+PLANS: dict[str, Plan] = {
+    "none": lambda model, params, options, bytes_per_elem: [],
+    "ddp-buckets": _ddp_buckets,
+    "ddp-buckets-then-broadcasts": _ddp_buckets_then_broadcasts,
+    "per-parameter": _per_parameter,
+    "zero-buckets": _zero_buckets,
+    "units": _units,
+}
+
+
+def timed_card(strategy: str) -> StrategyCard:
+    """The card of a strategy the time model knows (one with a schedule), or a one-line
+    refusal naming those it knows."""
+    found = CARDS.get(strategy)
+    if found is None or found.schedule is None:
+        raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
+                         f"{sorted(n for n, c in CARDS.items() if c.schedule is not None)}")
+    return found
+
+
 def planned_collectives(strategy: str, model: nn.Module, world: int, options: dict,
                         bytes_per_elem: int = 4) -> list[tuple[str, int]]:
     """(op, bytes of the whole tensor) of one step, in launch order, from the strategy's
     rules alone (what the ledger will record, up to buckets' edges on parameter borders):
     DDP's buckets (the first `first_bucket_mb`, then `bucket_mb`), ZeRO-1/2's buckets,
     ZeRO-3/FSDP2's units (each gathered in forward and in backward)."""
+    plan = PLANS[timed_card(strategy).plan]
     if world < 2:
         return []
     params = [p for p in model.parameters() if p.requires_grad]
-    total = sum(p.numel() for p in params) * bytes_per_elem
-
-    def buckets(first_mb: float, mb: float) -> list[int]:
-        out, left, limit = [], total, first_mb * MB
-        while left > 0:
-            out.append(int(min(left, limit)))
-            left -= out[-1]
-            limit = mb * MB
-        return out
-
-    if strategy in ("ddp", "torch-ddp", "torch-zero1"):
-        ddp = buckets(options.get("first_bucket_mb", 1.0), options.get("bucket_mb", 25.0))
-        plan = [("all_reduce", b) for b in ddp]
-        if strategy == "torch-zero1":
-            plan += [("broadcast", p.numel() * bytes_per_elem) for p in params]
-        return plan
-    if strategy == "ddp-naive":
-        return [("all_reduce", p.numel() * bytes_per_elem) for p in params]
-    if strategy in ("zero1", "zero2"):
-        mb = options.get("bucket_mb", 25.0)
-        zero = buckets(mb, mb)
-        return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in zero]
-    if strategy in ("zero3", "fsdp2", "torch-fsdp2"):
-        units, seen = [], set()
-        for unit in unit_modules(model, options.get("wrap", "auto")):
-            own = [p for p in unit.parameters() if id(p) not in seen]
-            seen |= {id(p) for p in own}
-            units.append(sum(p.numel() for p in own if p.requires_grad) * bytes_per_elem)
-        forward = [("all_gather", b) for b in units[::-1]]     # the root first
-        backward = [("all_gather", b) for b in units]          # the root last
-        return forward + backward + [("reduce_scatter", b) for b in units]
-    raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
-                     f"{sorted(SCHEDULES)}")
+    return plan(model, params, options, bytes_per_elem)
 
 
 def collective_seconds(op: str, nbytes: int, world: int, machine: Machine) -> float:
@@ -244,15 +264,13 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     The collectives are the ledger's records of one step when given (their kind and
     logical bytes), else those the strategy's rules plan (`planned_collectives`).
     """
-    if strategy not in SCHEDULES or strategy not in VOLUME_FACTORS:
-        raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
-                         f"{sorted(SCHEDULES)}")
+    strategy_card = timed_card(strategy)
     if world < 1 or tokens < 1:
         raise ValueError(f"need world >= 1 and tokens >= 1, got world={world}, "
                          f"tokens={tokens}")
     options = dict(options or {})
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    stepped = psi / world if strategy in SHARDED_STEP else psi
+    stepped = psi / world if strategy_card.sharded_step else psi
     compute = {"forward": 2 * psi * tokens / machine.flops,
                "backward": 4 * psi * tokens / machine.flops,
                "step": stepped * machine.adam_seconds}
@@ -260,7 +278,8 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:
         plan = planned_collectives(strategy, model, world, options, bytes_per_elem)
-    schedule = SCHEDULES[strategy]
+    schedule = strategy_card.schedule
+    overlap = strategy_card.gather_overlap_option
     collectives = []
     gathers = sum(1 for op, _ in plan if op == "all_gather")
     seen_gathers = 0
@@ -269,8 +288,7 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
         if isinstance(where[0], tuple):  # ZeRO-3/FSDP2's gathers: forward, then backward
             where = where[0] if seen_gathers < gathers / 2 else where[1]
             seen_gathers += 1
-        if op == "all_gather" and strategy in ("zero1", "zero2") \
-                and not options.get("overlap_all_gather", True):
+        if op == "all_gather" and overlap is not None and not options.get(overlap, True):
             where = ("step", "waited")
         collectives.append(Collective(op, nbytes, *where,
                                       collective_seconds(op, nbytes, world, machine)))

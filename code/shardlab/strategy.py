@@ -19,7 +19,8 @@ A strategy that cannot say how its state is laid out leaves `pieces` unset, and 
 checkpoint then refuses to save or load it instead of guessing.
 
 This module sits below the strategies and above the ground (`precision`, `models`): the
-strategies import it, and it imports none of them (the registry names them as strings).
+strategies import it, and it imports none of them (their cards, `shardlab.cards`, name
+their wrap functions as strings).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab.cards import card, names
 from shardlab.clip import GradClip
 from shardlab.launch import rank_device
 from shardlab.measure import local_tensor
@@ -305,45 +307,21 @@ def named_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- the registry
-
-# name -> "module:function"; resolved on use, so that registering a strategy never
-# imports every strategy module (and this module imports none of them).
-STRATEGIES: dict[str, str] = {
-    "single": "shardlab.strategy:wrap_single",
-    "ddp": "shardlab.ddp:wrap_ddp",
-    "ddp-naive": "shardlab.ddp:wrap_ddp_naive",
-    "torch-ddp": "shardlab.ddp:wrap_torch_ddp",
-    "zero1": "shardlab.zero:wrap_zero1",
-    "zero2": "shardlab.zero:wrap_zero2",
-    "torch-zero1": "shardlab.zero:wrap_torch_zero1",
-    "zero3": "shardlab.zero3:wrap_zero3",
-    "fsdp2": "shardlab.fsdp:wrap_fsdp2",
-    "torch-fsdp2": "shardlab.fsdp:wrap_torch_fsdp2",
-    "hsdp": "shardlab.hsdp:wrap_hsdp",
-    "torch-hsdp": "shardlab.hsdp:wrap_torch_hsdp",
-    "deepspeed-zero1": "shardlab.deepspeed_ref:wrap_deepspeed_zero1",
-    "deepspeed-zero2": "shardlab.deepspeed_ref:wrap_deepspeed_zero2",
-    "deepspeed-zero3": "shardlab.deepspeed_ref:wrap_deepspeed_zero3",
-}
+# Each strategy's card (`shardlab.cards`) names its wrap function as "module:function",
+# resolved here on use: registering a strategy imports no strategy module, and this
+# module imports none of them.
 
 
-# Strategies that can wrap a model built on the meta device (no storage): they cut it into
-# shards and give storage to this rank's shards alone, and a checkpoint is read into them
-# after (`shardlab.modelio.wrap_on_meta`): PyTorch's `fully_shard` (its documented meta
-# path) and the course's sharded layouts. The others keep the whole model on every rank.
-SHARDS_ON_META = frozenset({"torch-fsdp2", "zero3", "fsdp2", "hsdp"})
-
-
-def _strategy_module(name: str):
-    """The module that holds strategy `name` (imported on first use)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; use one of {sorted(STRATEGIES)}")
-    return importlib.import_module(STRATEGIES[name].split(":")[0])
+def resolve(target: str) -> Callable:
+    """The function a card names as "module:function", its module imported on first use."""
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def get_strategy(name: str) -> Callable[..., Wrapped]:
-    wrap = getattr(_strategy_module(name), STRATEGIES[name].split(":")[1])
-    if name in SHARDS_ON_META:
+    strategy = card(name)
+    wrap = resolve(strategy.wrap)
+    if strategy.shards_on_meta:
         return wrap
 
     @functools.wraps(wrap)
@@ -356,26 +334,26 @@ def get_strategy(name: str) -> Callable[..., Wrapped]:
                 f"model on the meta device (it has no values): give it storage and "
                 f"weights first, or load it with shardlab.modelio.wrap_on_meta, which "
                 f"does both for {name!r}; the strategies that shard a meta model are "
-                f"{sorted(SHARDS_ON_META)}")
+                f"{sorted(names(shards_on_meta=True))}")
         return wrap(model, *args, **kwargs)
 
     return refusing_meta
 
 
 def checkpoint_refusal(name: str) -> str | None:
-    """Why `shardlab.checkpoint` cannot save or load strategy `name`, or None if it can.
-    A strategy module that keeps its own checkpoints (DeepSpeed's engine) says why in
-    `CHECKPOINT_REFUSAL`, so a run that asks to save is refused before it trains."""
-    return getattr(_strategy_module(name), "CHECKPOINT_REFUSAL", None)
+    """Why `shardlab.checkpoint` cannot save or load strategy `name`, or None if it can:
+    a strategy that keeps its own checkpoints (DeepSpeed's engine) says why on its card,
+    so a run that asks to save is refused before it trains."""
+    return card(name).checkpoint_refusal
 
 
 def check_before_launch(name: str, options: dict, world: int) -> None:
     """Refuse, in the launching process, options a strategy can judge without its ranks
-    (HSDP's shard group against the world size): a strategy module that can says so in
-    a function `check_options_before_launch(name, options, world)`."""
-    check = getattr(_strategy_module(name), "check_options_before_launch", None)
+    (HSDP's shard group against the world size): the function its card names as
+    `launch_check`, called as f(name, options, world)."""
+    check = card(name).launch_check
     if check is not None:
-        check(name, options, world)
+        resolve(check)(name, options, world)
 
 
 def wrap_single(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,

@@ -40,6 +40,7 @@ from shardlab.comm.flight import FlightRecorder
 from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
+from shardlab.cards import card
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
                              rank_device, reaped_with_launches, under_torchrun,
                              whereabouts)
@@ -305,7 +306,7 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     """Train `config` on `config.world` ranks (one for "single", which always runs on one
     process); return the ranks' reports in rank order. Everything that can be checked
     (the config, the placement, the checkpoint to resume) is, before a process starts."""
-    if config.strategy == "single":
+    if card(config.strategy).one_process:
         config = replace(config, world=1)
     config.validate()
     try:

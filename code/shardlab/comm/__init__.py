@@ -30,15 +30,15 @@ from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_s
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
                                 ring_broadcast, ring_reduce_scatter)
-from shardlab.comm.volumes import (STRATEGY_COLLECTIVES, VOLUME_FACTORS, Link,
-                                   fit_alpha_beta, fsdp_step_seconds, hsdp_step_seconds,
-                                   hsdp_volume_per_link, predict_seconds, volume_per_rank)
+from shardlab.comm.volumes import (Link, fit_alpha_beta, fsdp_step_seconds,
+                                   hsdp_step_seconds, hsdp_volume_per_link, predict_seconds,
+                                   volume_per_rank)
 
 __all__ = [
     "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
     "ring_all_reduce", "ring_broadcast", "check_same_tensor", "CollectiveRecord", "Ledger",
     "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
-    "VOLUME_FACTORS", "STRATEGY_COLLECTIVES", "volume_per_rank", "predict_seconds",
+    "volume_per_rank", "predict_seconds",
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
     "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
     "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",

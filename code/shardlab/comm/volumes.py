@@ -19,26 +19,8 @@ from typing import Iterable
 
 import torch
 
+from shardlab.cards import CARDS, card
 from shardlab.comm.records import CollectiveRecord, ring_traffic
-
-
-# Multiples of psi (N-1)/N bytes that each strategy sends per rank and step (ring).
-VOLUME_FACTORS = {
-    "single": 0,
-    "ddp": 2, "ddp-naive": 2, "torch-ddp": 2,    # all-reduce the gradients: RS + AG
-    "zero1": 2, "zero2": 2,                      # reduce-scatter grads, all-gather params
-    "torch-zero1": 3,                            # DDP's all-reduce, then N broadcasts
-    "zero3": 3, "fsdp2": 3, "torch-fsdp2": 3,    # AG forward, AG backward, RS gradients
-}
-
-# Which collectives each strategy runs per step, for the tables of the text.
-STRATEGY_COLLECTIVES = {
-    "ddp": "all-reduce of the gradients (2Ψ)",
-    "zero1": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
-    "zero2": "reduce-scatter of the gradients (Ψ) + all-gather of the updated parameters (Ψ)",
-    "zero3": "all-gather of the parameters in forward (Ψ) and in backward (Ψ) "
-             "+ reduce-scatter of the gradients (Ψ)",
-}
 
 
 def volume_per_rank(strategy: str, psi: int, world: int, bytes_per_elem: int = 1) -> float:
@@ -47,13 +29,17 @@ def volume_per_rank(strategy: str, psi: int, world: int, bytes_per_elem: int = 1
     DDP all-reduces Ψ gradients: 2Ψ(N-1)/N. ZeRO-1 and ZeRO-2 reduce-scatter the gradients
     and all-gather the updated parameters: the same 2Ψ(N-1)/N. ZeRO-3 / FSDP all-gather
     the parameters twice (forward and backward) and reduce-scatter the gradients:
-    3Ψ(N-1)/N. Multiply by `bytes_per_elem` for bytes (2 for bf16, 4 for fp32).
+    3Ψ(N-1)/N. Multiply by `bytes_per_elem` for bytes (2 for bf16, 4 for fp32). The
+    multiple of Ψ(N-1)/N is the strategy's card's `volume_factor`.
     """
-    if strategy not in VOLUME_FACTORS:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(VOLUME_FACTORS)}")
+    factor = card(strategy).volume_factor
+    if factor is None:
+        known = sorted(n for n, c in CARDS.items() if c.volume_factor is not None)
+        raise ValueError(f"strategy {strategy!r} has no volume factor on its card; use one "
+                         f"of {known} (HSDP's bytes by link: hsdp_volume_per_link)")
     if world < 1 or psi < 0:
         raise ValueError(f"need world >= 1 and psi >= 0, got world={world}, psi={psi}")
-    return VOLUME_FACTORS[strategy] * psi * bytes_per_elem * (world - 1) / world
+    return factor * psi * bytes_per_elem * (world - 1) / world
 
 
 def hsdp_volume_per_link(psi: int, world: int, shard_group: int,

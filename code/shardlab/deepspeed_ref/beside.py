@@ -12,20 +12,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from shardlab.cards import DEEPSPEED, card
 from shardlab.deepspeed_ref.predict import predicted_state_bytes
 from shardlab.launch import rank_device
 from shardlab.models import build_model
 from shardlab.precision import get_precision
-
-
-# Each ZeRO stage by its three implementations: the course's, PyTorch's, DeepSpeed's.
-# PyTorch has no ZeRO-2 of its own (FSDP shards the parameters too); its stage-3 is
-# `fully_shard`.
-STAGE_TRIOS: dict[int, tuple[str, str | None, str]] = {
-    1: ("zero1", "torch-zero1", "deepspeed-zero1"),
-    2: ("zero2", None, "deepspeed-zero2"),
-    3: ("zero3", "torch-fsdp2", "deepspeed-zero3"),
-}
 
 
 def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int = 5,
@@ -86,14 +77,16 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
                 op["sent_bytes"] += record.sent_bytes / (steps - 1)
         mean_losses = torch.stack(losses)
         dist.all_reduce(mean_losses)
-        stage = next((s for s, trio in STAGE_TRIOS.items() if strategy in trio), None)
+        # each stage by its implementations: the course's, PyTorch's (none of stage 2:
+        # FSDP shards the parameters too; its stage 3 is `fully_shard`), DeepSpeed's
+        stage = card(strategy).zero_stage
         results.append({
             "strategy": strategy, "stage": stage, "world": world, "psi": psi,
             "losses": (mean_losses / world).tolist(), "state_bytes": held,
             "predicted_bytes": (predicted_state_bytes(build_model(model, 0), stage, world,
                                                       precision, "adamw",
                                                       (options or {}).get(strategy))
-                                if strategy.startswith("deepspeed-") else None),
+                                if card(strategy).family == DEEPSPEED else None),
             "peak_bytes": int(peak.bytes), "collectives": per_step,
             "step_seconds": statistics.median(times[1:-1] if steps > 2 else times),
         })

@@ -31,7 +31,8 @@ each one is a fact worth knowing about DeepSpeed:
   strategies default to the course's bucket (`bucket_numel`, 65,536 elements).
 
 DeepSpeed's checkpoints are its engine's to write (`wrapped.model.save_checkpoint(dir)`,
-`load_checkpoint`); `shardlab.checkpoint` reads only declared layouts and refuses these.
+`load_checkpoint`); `shardlab.checkpoint` reads only declared layouts and refuses these,
+saying why (their cards' `checkpoint_refusal`, `shardlab.cards`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.cards import card
 from shardlab.clip import GradClip
 from shardlab.deepspeed_ref.setup import deepspeed_missing, import_deepspeed
 from shardlab.launch import rank_device
@@ -51,11 +53,6 @@ from shardlab.precision import InnerOptimizerFace, Precision
 from shardlab.strategy import (OptimizerSpec, Wrapped, cast_model, check_options,
                                named_full_parameters)
 
-
-CHECKPOINT_REFUSAL = ("DeepSpeed writes its own checkpoints: call "
-                      "wrapped.model.save_checkpoint(folder) and load_checkpoint(folder) "
-                      "(wrapped.model is the DeepSpeedEngine); shardlab.checkpoint saves "
-                      "the course's strategies and PyTorch's")
 
 # The options: DeepSpeed's own `zero_optimization` keys (so a reader learns its names),
 # with DeepSpeed's defaults but one: `reduce_bucket_size` (see the module's docstring).
@@ -224,7 +221,7 @@ def wrap_deepspeed(stage: int, model: nn.Module, precision: Precision,
     step = EngineStep(engine, optimizer.clip_norm)
     return Wrapped(engine, step, no_sync=contextlib.nullcontext,
                    full_parameters=full_parameters, pieces=None,
-                   checkpoint_refusal=CHECKPOINT_REFUSAL,
+                   checkpoint_refusal=card(f"deepspeed-zero{stage}").checkpoint_refusal,
                    extra_state=(DeepSpeedState(engine, stage),), module=module,
                    clip=step.clip)
 

@@ -10,9 +10,9 @@ part:
 
 from shardlab.modelio.hf_files import (check_export_folder, check_matches, header_shapes, load_module,
                                        load_into, mismatches, read_model_config)
-from shardlab.modelio.meta import (SHARDS_ON_META, build_on_meta, parameters_on_meta,
-                                   restore_buffers, wrap_on_meta)
+from shardlab.modelio.meta import (build_on_meta, parameters_on_meta, restore_buffers,
+                                   wrap_on_meta)
 
 __all__ = ["check_export_folder", "check_matches", "header_shapes", "load_into", "load_module",
-           "mismatches", "read_model_config", "SHARDS_ON_META", "build_on_meta",
+           "mismatches", "read_model_config", "build_on_meta",
            "parameters_on_meta", "restore_buffers", "wrap_on_meta"]

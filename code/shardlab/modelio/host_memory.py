@@ -12,8 +12,8 @@
                page cache, shared between ranks and dropped under pressure): 2 x 4Ψ/N
 
 All three shard with PyTorch's `fully_shard` by default; "full" and "meta" take any
-strategy that shards on meta (`SHARDS_ON_META`: the course's `fsdp2` too). A run per way,
-in fresh ranks: a process's peak only grows.
+strategy that shards on meta (its card says `shards_on_meta`: the course's `fsdp2` too). A
+run per way, in fresh ranks: a process's peak only grows.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from shardlab.cards import PYTORCH, names
 from shardlab.launch import rank_device
 from shardlab.measure import host_peak_bytes, host_rss_bytes, reset_host_peak
 from shardlab.modelio.hf_files import WEIGHTS
 from shardlab.modelio.meta import build_on_meta, materialize, restore_buffers, wrap_on_meta
 from shardlab.models import build_model
 from shardlab.precision import get_precision
-from shardlab.strategy import SHARDS_ON_META, get_strategy, optimizer_spec
+from shardlab.strategy import get_strategy, optimizer_spec
 
 WAYS = ("full", "broadcast", "meta")
 # The settings of the small model of the same family run first (its folder: `warm_up`)
@@ -62,9 +63,12 @@ def load_one_way(way: str, folder: str, name: str, config: dict | None = None,
 
     if way not in WAYS:
         raise ValueError(f"unknown way {way!r}; use one of {WAYS}")
-    if strategy not in SHARDS_ON_META or (way == "broadcast" and strategy != "torch-fsdp2"):
+    # "broadcast" is PyTorch's own way (set_model_state_dict's broadcast_from_rank0), for
+    # PyTorch's sharded model alone
+    on_meta, broadcasts = names(shards_on_meta=True), names(family=PYTORCH, shards_on_meta=True)
+    if strategy not in on_meta or (way == "broadcast" and strategy not in broadcasts):
         raise ValueError(f"way {way!r} with strategy {strategy!r}: use a strategy of "
-                         f"{sorted(SHARDS_ON_META)} (\"broadcast\": torch-fsdp2 only)")
+                         f"{sorted(on_meta)} (\"broadcast\": {', '.join(broadcasts)} only)")
     if warm_up:  # the code's own first-use memory (imports, caches) is not the model's
         load_one_way(way, warm_up, name, {**(config or {}), **WARM_UP}, None, strategy)
     rank, device = dist.get_rank(), rank_device()

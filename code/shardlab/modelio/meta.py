@@ -30,10 +30,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from shardlab.cards import card
 from shardlab.modelio.hf_files import check_matches, load_into, load_module
 from shardlab.models import build_model
 from shardlab.precision import Precision
-from shardlab.strategy import SHARDS_ON_META, OptimizerSpec, Wrapped, get_strategy
+from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
 
 def build_on_meta(name: str, config: dict | None = None) -> nn.Module:
     """The model `name`: every parameter and buffer on the meta device (no bytes)."""
@@ -115,15 +116,16 @@ def wrap_on_meta(name: str, config: dict | None, strategy: str, precision: Preci
                  folder: str, skip_buffers: Iterable[str] = (),
                  before_wrap: Callable[[nn.Module], None] | None = None) -> Wrapped:
     """Build `name` on meta, give it storage on `device` (only the shards, for a strategy
-    of SHARDS_ON_META), restore its buffers, and read its weights from the Hugging Face
-    `folder`, each rank its own pieces. `before_wrap`: what the loop does to a model
-    before wrapping it (recomputation's hooks). `skip_buffers`: see `restore_buffers`."""
+    whose card says `shards_on_meta`), restore its buffers, and read its weights from the
+    Hugging Face `folder`, each rank its own pieces. `before_wrap`: what the loop does to
+    a model before wrapping it (recomputation's hooks). `skip_buffers`: see
+    `restore_buffers`."""
     model = build_on_meta(name, config)
     check_matches(folder, model)  # names and shapes, before a byte is allocated
     if before_wrap is not None:
         before_wrap(model)
     wrap = get_strategy(strategy)
-    if strategy in SHARDS_ON_META:
+    if card(strategy).shards_on_meta:
         wrapped = wrap(model, precision, optimizer, dict(options))
         materialize(wrapped.module, device)  # only this rank's shards get storage
         restore_buffers(wrapped.module, name, config, skip_buffers)
