@@ -202,7 +202,7 @@ PLANS: dict[str, Plan] = {
 }
 
 
-def timed_card(strategy: str) -> StrategyCard:
+def _timed_card(strategy: str) -> StrategyCard:
     """The card of a strategy the time model knows (one with a schedule), or a one-line
     refusal naming those it knows."""
     found = CARDS.get(strategy)
@@ -218,7 +218,7 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
     rules alone (what the ledger will record, up to buckets' edges on parameter borders):
     DDP's buckets (the first `first_bucket_mb`, then `bucket_mb`), ZeRO-1/2's buckets,
     ZeRO-3/FSDP2's units (each gathered in forward and in backward)."""
-    plan = PLANS[timed_card(strategy).plan]
+    plan = PLANS[_timed_card(strategy).plan]
     if world < 2:
         return []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -264,7 +264,7 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     The collectives are the ledger's records of one step when given (their kind and
     logical bytes), else those the strategy's rules plan (`planned_collectives`).
     """
-    strategy_card = timed_card(strategy)
+    strategy_card = _timed_card(strategy)
     if world < 1 or tokens < 1:
         raise ValueError(f"need world >= 1 and tokens >= 1, got world={world}, "
                          f"tokens={tokens}")
