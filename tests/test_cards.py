@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from shardlab import comm, steptime
-from shardlab.cards import (CARDS, DEEPSPEED, OURS, PYTORCH, SINGLE_PROCESS, card, names)
+from shardlab.cards import CARDS, DEEPSPEED, OURS, PYTORCH, SINGLE_PROCESS, card, names
 from shardlab.cli import _config, build_parser
 from shardlab.deepspeed_ref import deepspeed_missing
 from shardlab.models import build_model
