@@ -389,16 +389,15 @@ def reduction_precision_figure(rows: Sequence, ax=None, title: str = ""):
                 label=f"reduce in {reduce}, accumulate in {accumulate}")
     for dtype, u in UNIT_ROUNDOFF.items():
         ax.axhline(u, color=colors[dtype], linestyle=":", linewidth=0.8)
-        ax.annotate(f"{dtype} unit roundoff", (1.0, u), xycoords=("axes fraction", "data"),
-                    xytext=(-4, 3), textcoords="offset points", ha="right",
+        ax.annotate(f"{dtype} unit roundoff", (0.0, u), xycoords=("axes fraction", "data"),
+                    xytext=(4, 3), textcoords="offset points", ha="left",
                     fontsize=SMALLEST_PT, color=colors[dtype])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks N in the reduction")
     ax.set_ylabel("relative error against fp64")
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(frameon=False, fontsize=SMALLEST_PT, loc="center left",
-              bbox_to_anchor=(1.0, 0.5))
+    ax.legend(frameon=False, fontsize=SMALLEST_PT, loc="center right")
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return ax
