@@ -17,8 +17,13 @@ For each factor the table gives the α-β model's prediction of the communicatio
 step (`shardlab.comm.fsdp_step_seconds`, `hsdp_step_seconds`, with this machine's fitted
 link and the units' sizes read off the ledger), the ledger's measured communication
 (the sum of the collectives' seconds; on gloo they do not overlap compute), the slowest
-rank's median step, and the ratio FSDP / HSDP of both. The runs are interleaved: each
-repetition runs every (factor, strategy) once.
+rank's median step, and the ratio FSDP / HSDP of both. HSDP's prediction has two forms:
+`serial`, what these runs do (on a CPU every all-reduce returns when it is done, in the
+course's `hsdp` as in PyTorch's FSDP2, whose streams are no-ops there), and `overlapped`,
+each unit's all-reduce on a lane of its own beside the next units' gathers and
+reduce-scatters, as PyTorch's FSDP2 runs it on GPUs (`comm.hsdp_overlap`): printed for
+comparison, not measured here. The runs are interleaved: each repetition runs every
+(factor, strategy) once.
 """
 
 from __future__ import annotations
@@ -89,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
           f"α = {fast.alpha * 1e6:.1f} µs, β = {fast.beta / 1e9:.3f} GB/s. The inter-node "
           f"link is SIMULATED: factor × slower, by sleeping.")
     header = ("factor", "predicted comm ms FSDP / HSDP", "measured comm ms FSDP / HSDP",
-              "step ms FSDP / HSDP", "FSDP / HSDP predicted", "FSDP / HSDP measured")
+              "step ms FSDP / HSDP", "FSDP / HSDP predicted", "FSDP / HSDP measured",
+              "HSDP overlapped as FSDP2 on GPUs, ms")
     print(" | ".join(header))
     rows = []
     for factor in args.factors:
         slow = fast.slowed(factor)
         fsdp_runs, hsdp_runs = by_key[(factor, "fsdp2")], by_key[(factor, "hsdp")]
         pred_fsdp = comm.fsdp_step_seconds(unit_sizes(fsdp_runs[0][0]), args.world, slow)
-        pred_hsdp = sum(comm.hsdp_step_seconds(unit_sizes(hsdp_runs[0][0]), args.world,
-                                               args.shard_group, fast, slow).values())
+        hsdp = comm.hsdp_step_seconds(unit_sizes(hsdp_runs[0][0]), args.world,
+                                      args.shard_group, fast, slow)
+        pred_hsdp = hsdp.serial  # what a CPU run does: each all-reduce blocks
         meas_fsdp = statistics.median(collective_seconds(run[0]) for run in fsdp_runs)
         meas_hsdp = statistics.median(collective_seconds(run[0]) for run in hsdp_runs)
         step_fsdp = statistics.median(step_time(run) for run in fsdp_runs)
@@ -105,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         row = {"factor": factor, "predicted_comm_ms": [1e3 * pred_fsdp, 1e3 * pred_hsdp],
                "measured_comm_ms": [1e3 * meas_fsdp, 1e3 * meas_hsdp],
                "step_ms": [1e3 * step_fsdp, 1e3 * step_hsdp],
-               "ratio_predicted": pred_fsdp / pred_hsdp, "ratio_measured": step_fsdp / step_hsdp}
+               "ratio_predicted": pred_fsdp / pred_hsdp, "ratio_measured": step_fsdp / step_hsdp,
+               "hsdp_overlapped_ms": 1e3 * hsdp.overlapped}
         rows.append(row)
         print(f"{factor:g} | {1e3 * pred_fsdp:.1f} / {1e3 * pred_hsdp:.1f} | "
               f"{1e3 * meas_fsdp:.1f} / {1e3 * meas_hsdp:.1f} | "
               f"{1e3 * step_fsdp:.1f} / {1e3 * step_hsdp:.1f} | "
-              f"{row['ratio_predicted']:.2f} | {row['ratio_measured']:.2f}")
+              f"{row['ratio_predicted']:.2f} | {row['ratio_measured']:.2f} | "
+              f"{row['hsdp_overlapped_ms']:.1f}")
     if args.results:
         with open(args.results, "w") as f:
             json.dump({"command": "python benchmarks/bench_hsdp.py " + " ".join(

@@ -86,6 +86,44 @@ def fully_shard_case() -> dict:
     return {"shapes": shapes, "local_shapes": local, "state_bytes": counted}
 
 
-def ddp_and_fully_shard(cases: list[tuple[str, str]]) -> dict:
-    """One launch for both: PyTorch's DDP on every case, then PyTorch's FSDP2."""
-    return {"ddp": all_cases(cases), "fully_shard": fully_shard_case()}
+def wide_model() -> nn.Module:
+    """About a million fp32 parameters (4 MB): the Reducer's buckets stand far above the
+    allocator's noise (Python objects, gloo's own buffers: tens of kB)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))
+
+
+def ddp_bucket_copy() -> dict:
+    """PyTorch's DDP, both settings of `gradient_as_bucket_view`: the bytes the process's
+    allocator holds for it after two steps beyond the model itself (`host_allocated_bytes`,
+    which sees the C++ Reducer's buffers too), and what `state_bytes` counts."""
+    import gc
+
+    from shardlab.measure import host_allocated_bytes
+    # one step of a DDP first: the one-off allocations of a process's first DDP (gloo's,
+    # the Reducer's statics: about 23 MB here) and first backward through these shapes
+    # (about 2 MB) are not the buckets
+    warm = nn.parallel.DistributedDataParallel(wide_model())
+    warm(torch.randn(8, 512)).square().mean().backward()
+    del warm
+    out = {}
+    for view in (False, True):
+        model = wide_model()
+        psi = sum(p.numel() for p in model.parameters())
+        gc.collect()
+        before = host_allocated_bytes()
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
+        for step in range(2):  # the second rebuilds the buckets in the gradients' order
+            ddp(torch.randn(8, 512)).square().mean().backward()
+        gc.collect()
+        out[view] = {"psi": psi, "allocated": host_allocated_bytes() - before,
+                     "state_bytes": state_bytes(ddp)}
+        del ddp, model
+    return out
+
+
+def ddp_and_fully_shard(cases: list[tuple[str, str]], bucket_copy: bool = False) -> dict:
+    """One launch for all: PyTorch's DDP on every case, its bucket copy measured (when
+    asked: it takes seconds), then PyTorch's FSDP2."""
+    return {"ddp": all_cases(cases), "bucket_copy": ddp_bucket_copy() if bucket_copy else {},
+            "fully_shard": fully_shard_case()}

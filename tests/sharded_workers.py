@@ -224,17 +224,59 @@ def helper_checks() -> dict:
     return out
 
 
+def gather_order(strategies: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """For each strategy (default options, fp32 gpt-tiny), the order of one steady step's
+    events: the units' forward pre-hooks ("forward", unit), the blocks' backward
+    pre-hooks ("backward", unit) and the collectives the ledger records
+    ("all_gather" or "reduce_scatter", "" ). All on this rank's one thread, ordered by
+    their times. A module's hooks run after FSDP2's own for that module (FSDP2
+    prepends its forward pre-hook; its pre-backward hook is on the forward's outputs)."""
+    import time
+
+    from shardlab.comm import Ledger
+    from shardlab.wrap import unit_modules
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in strategies:
+        model = build_model("gpt-tiny", seed=0)
+        names = {id(m): name or "root" for name, m in model.named_modules()}
+        events: list[tuple[float, str, str]] = []
+        for unit in unit_modules(model, "auto"):
+            name = names[id(unit)]
+            unit.register_forward_pre_hook(
+                lambda m, args, name=name: events.append((time.perf_counter(), "forward", name)))
+            if unit is not model:  # the root's input (token ids) takes no gradient
+                unit.register_full_backward_pre_hook(
+                    lambda m, grad, name=name: events.append(
+                        (time.perf_counter(), "backward", name)))
+        wrapped = get_strategy(strategy)(model, get_precision("fp32"), OPTIMIZERS["adamw"], {})
+        for step in range(2):  # the second is the steady one
+            events.clear()
+            x, y = get_batch(step, rank, world, 8, 16)
+            with Ledger() as ledger:
+                loss_fn(wrapped.model(x), y).backward()
+            wrapped.optimizer.step()
+            wrapped.optimizer.zero_grad()
+        timeline = events + [(r.start, r.op.removeprefix("ring_"), "") for r in ledger.records]
+        out[strategy] = [(what, who) for _, what, who in sorted(timeline)]
+    return out
+
+
 def suite(parity: list[dict] = (), sizes: list[dict] = (), errors: list[str] = (),
-          helpers: bool = False, train: list = (), steps: int = 10) -> dict:
+          helpers: bool = False, train: list = (), steps: int = 10,
+          order: list[str] = ()) -> dict:
     """Everything one test file checks on one world size, in one launch; `train` are
-    `shardlab.train.TrainConfig`s run by the course's own loop."""
+    `shardlab.train.TrainConfig`s run by the course's own loop; `order`, strategies whose
+    order of gathers and compute is recorded (`gather_order`)."""
     from shardlab.train import train_worker
 
     return {"parity": parity_cases(list(parity), steps) if parity else [],
             "bytes": bytes_cases(list(sizes)) if sizes else [],
             "errors": error_cases(list(errors)) if errors else {},
             "helpers": helper_checks() if helpers else {},
-            "train": [train_worker(c) for c in train]}
+            "train": [train_worker(c) for c in train],
+            "order": gather_order(list(order)) if order else {}}
 
 
 def check_parity(result: dict, steps: int) -> None:

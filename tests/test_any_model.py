@@ -150,6 +150,8 @@ def expected_state_bytes(model_name: str, strategy: str, world: int,
     if strategy in ("ddp", "ddp-naive", "torch-ddp", "torch-zero1"):
         states = memory.model_states(psi_t, N, 0, "fp32", "adamw")
         params, grads = states.params + per.params * psi_f, states.grads
+        if strategy in ("torch-ddp", "torch-zero1"):  # PyTorch DDP's bucket copy
+            grads += memory.ddp_bucket_copy_bytes(psi_t, "fp32")
         optimizer = states.optimizer + COUNTER * len(trainable)  # torch-zero1: summed
     elif strategy in ("zero1", "zero2"):
         stage = int(strategy[-1])

@@ -29,7 +29,7 @@ from shardlab.steptime import Machine, predict_step
 from shardlab.strategy import get_strategy, optimizer_spec, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, gloo=False)
+MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)
 PHASES, HOWS = {"forward", "backward", "step"}, {"produced", "prefetched", "waited"}
 
 

@@ -4,7 +4,9 @@ fp32 / bf16 / fp16, sum and average; and a clear error, not a hang, on mismatche
 One launch of 8 ranks covers every group size: the ranks form subgroups of 1..8 (some
 not starting at rank 0, so the ring's neighbours must be mapped to global ranks), and
 each subgroup runs every case. Values are small integers, so every sum is exact in every
-dtype and the ring must agree with torch bit for bit.
+dtype and the ring must agree with torch bit for bit. On values that round, the ring's
+reduce-scatter agrees bit for bit with its replay in one process
+(`comm.reduction_precision.ring_sum`).
 """
 
 import math
@@ -89,6 +91,20 @@ def compare_rings_with_torch(groups) -> list[str]:
             dist.broadcast(reference, ranks[src], group=group)
             if not torch.equal(t, reference) or not torch.equal(t, everyone[src]):
                 failures.append(f"broadcast {where} src={src}")
+
+        # floats that are not integers, summed in bf16 and fp32 with a rounding after each
+        # addition: the ring's order, which `reduction_precision.ring_sum` replays in one
+        # process, bit for bit
+        from shardlab.comm.reduction_precision import ring_sum
+        for dtype in (torch.bfloat16, torch.float32):
+            everyone = torch.stack([torch.randn(37, generator=torch.Generator().manual_seed(
+                100 + r)) for r in range(world)]).to(dtype)
+            got = comm.ring_reduce_scatter(everyone[rank], group=group)
+            chunk = math.ceil(37 / world)
+            replayed = torch.zeros(world * chunk, dtype=dtype)
+            replayed[:37] = ring_sum(everyone, dtype)
+            if not torch.equal(got, replayed[rank * chunk:(rank + 1) * chunk]):
+                failures.append(f"ring_sum replays the ring N={world} {dtype}")
 
         # shapes other than 1-D, floats that are not integers: close, not equal
         x = torch.randn(3, 5, generator=torch.Generator().manual_seed(rank))

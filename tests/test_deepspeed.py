@@ -62,6 +62,9 @@ def cases_for(world: int) -> list[TrainConfig]:
                           options=SHARD_ALL, **sgd)]
         cases += stage_cases(model="toy-frozen", **sgd)
         cases += stage_cases(model="toy-tied")
+        # the default all-reduce is DeepSpeed's choice, not gloo's: switched off, the
+        # same stages send each rank its slices with dist.reduce
+        cases += stage_cases(options={"use_multi_rank_bucket_allreduce": False})[:2]
         cases += [replace(BASE, strategy="deepspeed-zero2",
                           options={"overlap_comm": True, "reduce_bucket_size": 4096}),
                   replace(BASE, strategy="deepspeed-zero3",
@@ -173,9 +176,14 @@ def test_deepspeed_holds_more_than_the_papers_formula(run):
 
 @needs_deepspeed
 def test_collectives_per_step(run):
-    """Stages 1 and 2 all-reduce the gradients (DeepSpeed's default, where the paper
-    reduce-scatters) and all-gather the padded flat buffer; stage 2 reduces every
-    micro-batch, stage 1 once per step. Stage 3 reduce-scatters every parameter's padded
+    """Stages 1 and 2 all-reduce the gradients and all-gather the padded flat buffer;
+    stage 2 reduces every micro-batch, stage 1 once per step. The all-reduce is
+    DeepSpeed's default on every backend, not a gloo fallback: its config's
+    `use_multi_rank_bucket_allreduce` defaults to true (`deepspeed/runtime/zero/config.py`)
+    and `average_tensor` (`deepspeed/runtime/zero/stage_1_and_2.py`) then all-reduces each
+    bucket, with no test of the backend; set to false, the same run sends each rank the
+    gradients of its partition with `dist.reduce` (Ψ in all, one copy of each element),
+    where the paper's reduce-scatter would. Stage 3 reduce-scatters every parameter's padded
     gradient and, with DeepSpeed's reuse distance, all-gathers each sharded parameter once
     per micro-batch (what it gathers for forward stays until backward) and each
     persistent one once per step (after the step changed its partitions). Each step also
@@ -204,9 +212,13 @@ def test_collectives_per_step(run):
                     assert stage(r) == 3 and step == 1, key(r)
                 elif at == step:
                     totals[(op, dtype)] = totals.get((op, dtype), 0) + nbytes
-            if stage(r) < 3:
+            if stage(r) < 3 and r["options"].get("use_multi_rank_bucket_allreduce", True):
                 micro = r["grad_accum"] if stage(r) == 2 else 1
                 assert totals == {("all_reduce", "torch.float32"): 4 * psi * micro + 4,
+                                  ("all_gather", "torch.float32"): 4 * padded}, key(r)
+            elif stage(r) < 3:  # use_multi_rank_bucket_allreduce: false
+                assert totals == {("reduce", "torch.float32"): 4 * psi,
+                                  ("all_reduce", "torch.float32"): 4,  # the norm
                                   ("all_gather", "torch.float32"): 4 * padded}, key(r)
             else:
                 assert totals == {("reduce_scatter", "torch.float32"):
@@ -215,6 +227,33 @@ def test_collectives_per_step(run):
                                   ("all_reduce", "torch.float64"): 8}, key(r)
         checked += 1
     assert checked >= 5
+    assert world == 4 or sum(1 for r in results[0]["parity"] if r["options"].get(
+        "use_multi_rank_bucket_allreduce") is False) == 2
+
+
+@needs_deepspeed
+def test_deepspeed_reduces_bf16_gradients_in_bf16_by_default(run):
+    """Under bf16 DeepSpeed's stages 1 and 2 all-reduce the gradients in bf16: its
+    `communication_data_type` defaults to None, which the engine reads as bf16 when bf16
+    is on (`DeepSpeedEngine.communication_data_type`, `deepspeed/runtime/engine.py`), and
+    its `grad_accum_dtype` defaults to the model's dtype (`get_data_types`). Besides the
+    gradients, one fp32 number (the gradient norm) and one uint8 (the overflow flag,
+    `has_overflow`'s ByteTensor) are all-reduced."""
+    world, results, _ = run
+    checked = 0
+    for r in results[0]["parity"]:
+        if r["precision"] != "bf16-mixed" or stage(r) == 3:
+            continue
+        psi = sum(p.numel() for p in build_model(r["model"], 0, r["model_config"]).parameters())
+        for step in range(1, STEPS):
+            reduced: dict[str, int] = {}
+            for op, dtype, nbytes, at in r["ledger"]:
+                if at == step and op == "all_reduce":
+                    reduced[dtype] = reduced.get(dtype, 0) + nbytes
+            assert reduced == {"torch.bfloat16": 2 * psi, "torch.float32": 4,
+                               "torch.uint8": 1}, key(r)
+        checked += 1
+    assert checked == 2
 
 
 @needs_deepspeed

@@ -50,7 +50,8 @@ def results():
                         for s in ("fsdp2", "torch-fsdp2")]
     return {
         2: launch(w.suite, 2, parity=pairs(OPTION_VARIANTS) + TOYS, sizes=SIZES,
-                  errors=ERRORS, helpers=True, train=through_the_loop, steps=STEPS, **gloo),
+                  errors=ERRORS, helpers=True, train=through_the_loop, steps=STEPS,
+                  order=["torch-fsdp2", "fsdp2"], **gloo),
         4: launch(w.suite, 4, parity=pairs([{}, {"options": {"reshard_after_forward": False}},
                                              {"precision": "bf16-mixed"}]),
                   sizes=SIZES[:2], helpers=True, steps=STEPS, **gloo),
@@ -174,3 +175,32 @@ def test_the_training_loop_runs_fsdp2_like_pytorch(results):
         for step in range(1, STEPS - 1):
             moved = sum(r.logical_bytes for r in ours.ledger if r.step == step)
             assert moved == 3 * ours.psi * 4  # gpt-tiny needs no padding on 2 ranks
+
+
+AG, RS = ("all_gather", ""), ("reduce_scatter", "")
+
+
+def test_pytorch_fsdp2_prefetches_the_next_unit_in_backward_by_default(results):
+    """PyTorch's `fully_shard` with its defaults (no `set_modules_to_*_prefetch`), one
+    steady step of gpt-tiny (units: blocks.0, blocks.1, the root), against the course's
+    `fsdp2` (prefetch off, its default). Forward is the same: each unit gathered as its
+    forward starts, none ahead (FSDP2's forward overlap is its all-gather stream running
+    while the CPU runs ahead: a GPU effect, nothing on a CPU). Backward differs: FSDP2
+    launches each block's all-gather before that block's backward starts, while the unit
+    after it in forward order runs its backward, and before that unit's reduce-scatter
+    (`FSDPParamGroup._backward_prefetch`: the next in reverse post-forward order); the
+    course's `fsdp2` gathers each block on demand, when its backward starts."""
+    forward = [AG, ("forward", "root"), AG, ("forward", "blocks.0"), AG,
+               ("forward", "blocks.1")]
+    for rank_results in results[2]:
+        theirs, ours = (rank_results["order"][s] for s in ("torch-fsdp2", "fsdp2"))
+        assert theirs[:6] == ours[:6] == forward
+        assert theirs[6:] == [AG,                              # the root, for its backward
+                              AG,                              # blocks.1, prefetched
+                              ("backward", "blocks.1"),
+                              AG,                              # blocks.0, prefetched ...
+                              RS,                              # ... before blocks.1's RS
+                              ("backward", "blocks.0"),
+                              RS, RS]
+        assert ours[6:] == [AG, ("backward", "blocks.1"), AG, RS,
+                            ("backward", "blocks.0"), AG, RS, RS]

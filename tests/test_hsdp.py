@@ -138,6 +138,24 @@ def test_ledger_bytes_per_link_equal_the_analysis(results, strategy, shape):
         assert not {op for link, op in ops if link == "inter-node"} - {"all_reduce"}
 
 
+@pytest.mark.parametrize("strategy", ["hsdp", "torch-hsdp"])
+def test_one_replica_all_reduce_per_unit_and_step(results, strategy):
+    """PyTorch's FSDP2 on a 2-D mesh (and ours) all-reduces across the replicas once per
+    unit and step, each unit's reduced shard after its reduce-scatter (`foreach_reduce`):
+    as many inter-node all-reduces as units, not one per step. What `hsdp_step_seconds`
+    and `network.hsdp_collectives_seconds` lay on the replica lane."""
+    from shardlab.models import build_model
+    from shardlab.wrap import unit_modules
+    units = len(unit_modules(build_model("gpt-tiny"), "auto"))
+    assert units > 1
+    for rank_loops in results["loops"]:
+        report = rank_loops[(strategy, 2)]
+        for step in range(LOOP_STEPS):
+            ops = [(r.link, r.op) for r in report.ledger if r.step == step]
+            assert ops.count(("inter-node", "all_reduce")) == units, (strategy, step)
+            assert ops.count(("intra-node", "reduce_scatter")) == units, (strategy, step)
+
+
 def test_what_crosses_the_slow_link_hsdp_against_fsdp_over_all_ranks(results):
     """FSDP over all 4 ranks runs every collective on rings that span both "nodes":
     3Ψ·3/4 per rank and step. HSDP (4, 2) sends 2·(1/2)·Ψ/2 across: 4.5 × less."""
@@ -195,11 +213,13 @@ def test_throttle_and_link_arithmetic():
     link = comm.Link(1e-5, 1e9)
     units = [4096, 8192]
     # S = N is FSDP inside a node; S = 1 is DDP's all-reduce across
-    assert comm.hsdp_step_seconds(units, 4, 4, link, link.slowed(8)) == {
-        "intra-node": comm.fsdp_step_seconds(units, 4, link), "inter-node": 0.0}
+    fsdp_like = comm.hsdp_step_seconds(units, 4, 4, link, link.slowed(8))
+    assert fsdp_like.intra_node == pytest.approx(comm.fsdp_step_seconds(units, 4, link))
+    assert fsdp_like.inter_node == 0.0
+    assert fsdp_like.overlapped == pytest.approx(fsdp_like.serial)
     ddp_like = comm.hsdp_step_seconds(units, 4, 1, link, link)
-    assert ddp_like["intra-node"] == 0.0
-    assert ddp_like["inter-node"] == pytest.approx(sum(
+    assert ddp_like.intra_node == 0.0
+    assert ddp_like.inter_node == pytest.approx(sum(
         comm.predict_seconds("all_reduce", b, 4, link.alpha, link.beta) for b in units))
     assert hsdp_volume_per_link(1000, 8, 2) == {"intra-node": 1500.0, "inter-node": 750.0}
     with pytest.raises(ValueError, match="shard_group must divide world"):
@@ -210,13 +230,61 @@ def test_the_node_model_of_hsdp_against_fsdp():
     """On the course's H100 nodes, HSDP inside a node is FSDP over the node plus an
     all-reduce of Ψ/S across nodes, one NIC per GPU; with one replica it is FSDP."""
     nbytes, world, s = 2e9, 64, 8
-    h = network.hsdp_collectives_seconds(nbytes, world, s)
-    assert h["intra-node"] == pytest.approx(network.fsdp_collectives_seconds(nbytes, s))
-    assert h["inter-node"] == pytest.approx(network.collective_seconds(
+    h = network.hsdp_collectives_seconds(nbytes, world, s, units=4)
+    assert h.intra_node == pytest.approx(network.fsdp_collectives_seconds(nbytes, s))
+    assert h.inter_node == pytest.approx(network.collective_seconds(
         "all_reduce", nbytes / s, world // s, ranks_per_node=1))
-    assert network.hsdp_collectives_seconds(nbytes, s, s)["inter-node"] == 0.0
+    assert network.hsdp_collectives_seconds(nbytes, s, s, units=4).inter_node == 0.0
     with pytest.raises(ValueError, match="shard_group must divide"):
-        network.hsdp_collectives_seconds(nbytes, world, 16)
+        network.hsdp_collectives_seconds(nbytes, world, 16, units=4)
+    with pytest.raises(ValueError, match="units must be a whole number"):
+        network.hsdp_collectives_seconds(nbytes, world, s, units=0)
+
+
+def test_fsdp2_overlaps_each_units_replica_all_reduce_with_the_next_units_gathers():
+    """FSDP2's schedule on two lanes (`comm.hsdp_overlap`), by hand: units in backward
+    order with gathers g, reduce-scatters r, all-reduces a. In-node: the forward's
+    gathers, then g1, g2 (prefetched), r1, g3, r2, r3. Each all-reduce starts when its
+    unit's reduce-scatter and the previous all-reduce are done; the step ends with the
+    later lane. With one unit nothing can overlap: the serial sum."""
+    g, r, a = 1.0, 2.0, 5.0
+    # forward 3g = 3; in-node r1 ends 3+g+g+r = 7, r2 at 10, r3 at 12; replicas: a1 7..12,
+    # a2 12..17, a3 17..22
+    assert comm.hsdp_overlap([g] * 3, [(g, r, a)] * 3) == 22.0
+    # a short all-reduce hides behind the in-node lane but for the last one
+    assert comm.hsdp_overlap([g] * 3, [(g, r, 0.5)] * 3) == 12.5
+    assert comm.hsdp_overlap([g], [(g, r, a)]) == g + g + r + a
+    link, slow = comm.Link(1e-5, 1e9), comm.Link(1e-4, 1e8)
+    units = [8192] * 6
+    h = comm.hsdp_step_seconds(units, 8, 2, link, slow)
+    assert max(h.intra_node, h.inter_node) < h.overlapped < h.serial
+
+
+def test_chapter_5_problem_4_hsdp_overlapped_is_ahead_of_fsdp_at_every_nic_rate():
+    """Llama-2-7B in bf16 on 64 H100s, 8 a node, one unit per layer and the root (33),
+    bandwidth only. FSDP: 3 rings over 64 GPUs, each as slow as the node's 400 GB/s of
+    NICs, 99.5 ms. HSDP: 78.6 ms of NVLink and 59.0 ms of one NIC per GPU, 137.6 ms one
+    after the other (what the course's model said before, FSDP ahead) but 87.5 ms as
+    FSDP2 overlaps the all-reduces with backward's gathers and reduce-scatters. Ahead at
+    every NIC rate: with NICs far faster both are NVLink-bound (78.6 against 88.4 ms),
+    far slower the ratio tends to the bytes each puts on a NIC, 3·63/64 : 2·7/8 = 1.69."""
+    from dataclasses import replace
+
+    from shardlab.memory import num_params
+    nbytes, n, s, units = 2 * num_params("llama-2-7b"), 64, 8, 33
+    fsdp = network.fsdp_collectives_seconds(nbytes, n)
+    hsdp = network.hsdp_collectives_seconds(nbytes, n, s, units=units)
+    assert 1e3 * fsdp == pytest.approx(99.5, abs=0.05)
+    assert 1e3 * hsdp.intra_node == pytest.approx(78.6, abs=0.05)
+    assert 1e3 * hsdp.inter_node == pytest.approx(59.0, abs=0.05)
+    assert 1e3 * hsdp.serial == pytest.approx(137.6, abs=0.05)
+    assert 1e3 * hsdp.overlapped == pytest.approx(87.5, abs=0.05)
+    for slower in (0.01, 0.1, 0.5, 1, 1.25, 2, 4, 16, 1000):
+        nodes = replace(network.H100_NODES, nic_bps=network.H100_NODES.nic_bps / slower)
+        f = network.fsdp_collectives_seconds(nbytes, n, nodes)
+        h = network.hsdp_collectives_seconds(nbytes, n, s, nodes, units=units)
+        assert h.overlapped < f, slower
+    assert f / h.overlapped == pytest.approx(3 * 63 / 64 / (2 * 7 / 8), rel=0.01)
 
 
 @pytest.mark.parametrize("strategy", ["hsdp", "torch-hsdp"])

@@ -1,6 +1,8 @@
 """`measure` counts what live tensors hold; on real runs (one process, PyTorch's DDP on 2
 and 4 ranks, FSDP2) the counts equal `memory`'s formulas to the byte, once the
-optimizer's per-tensor step counters and FSDP2's padding are added explicitly."""
+optimizer's per-tensor step counters and FSDP2's padding are added explicitly, and
+PyTorch DDP's bucket copy of the gradients (which the process's allocator shows is there
+unless `gradient_as_bucket_view=True`) is counted and planned."""
 
 import pytest
 import torch
@@ -19,19 +21,24 @@ STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a 0-dim fp32 tensor per paramete
 
 def predicted(case_result: dict, world: int, precision: str, optimizer: str) -> dict:
     """memory's formula for stage 0 (every data-parallel rank holds everything), plus
-    what the formula leaves out on purpose: Adam's step counters."""
+    what the formula leaves out on purpose: Adam's step counters; on more than one rank
+    (PyTorch's DDP, its default gradient_as_bucket_view=False) the planner's bucket copy
+    of the gradients."""
     b = memory.model_states(case_result["psi"], world, 0, precision, optimizer)
     counters = STEP_COUNTER_BYTES * case_result["param_tensors"] if optimizer == "adamw" else 0
-    return {"params": b.params, "grads": b.grads, "optimizer": b.optimizer + counters,
-            "buffers": 0}
+    buckets = memory.ddp_bucket_copy_bytes(case_result["psi"], precision) if world > 1 else 0
+    return {"params": b.params, "grads": b.grads + buckets,
+            "optimizer": b.optimizer + counters, "buffers": 0}
 
 
 def check_against_formulas(results: dict, world: int):
     for (precision, optimizer), r in results.items():
         expected = predicted(r, world, precision, optimizer)
         assert r["state_bytes"] == expected, (precision, optimizer)
-        # zero_grad(set_to_none) frees the gradients and nothing else
-        assert r["after_zero_grad"] == {**expected, "grads": 0}, (precision, optimizer)
+        # zero_grad(set_to_none) frees the gradients and nothing else: DDP's buckets stay
+        buckets = expected["grads"] - memory.model_states(
+            r["psi"], world, 0, precision, optimizer).grads
+        assert r["after_zero_grad"] == {**expected, "grads": buckets}, (precision, optimizer)
         # the step's peak holds at least the model states
         assert r["peak"] >= sum(expected.values())
         assert r["peak_by_category"]["params"] == expected["params"]
@@ -44,7 +51,7 @@ def test_single_process_matches_the_formulas_to_the_byte():
 @pytest.fixture(scope="module")
 def ddp_runs():
     """One launch per world size; every case runs inside it."""
-    return {world: launch(w.ddp_and_fully_shard, world, CASES, timeout=240)
+    return {world: launch(w.ddp_and_fully_shard, world, CASES, world == 2, timeout=240)
             for world in (2, 4)}
 
 
@@ -53,6 +60,24 @@ def test_torch_ddp_matches_the_formulas_to_the_byte_on_every_rank(ddp_runs, worl
     # DDP is stage 0: each of the N ranks holds the whole 16 psi (or 4+4+8 psi ...).
     for rank_result in ddp_runs[world]:
         check_against_formulas(rank_result["ddp"], world)
+
+
+def test_ddp_keeps_a_bucket_copy_of_the_gradients_unless_they_are_bucket_views(ddp_runs):
+    """PyTorch's DDP on a 4 MB model, two steps: the process's allocator (glibc's malloc,
+    which the C++ Reducer's buffers come from too) holds the gradients twice over the
+    model's own bytes with gradient_as_bucket_view=False (its default) and once with True,
+    within 2% of Ψ·4 bytes; `state_bytes` counts the same, and the planner's stage 0
+    (model_states' grads + ddp_bucket_copy_bytes) equals it to the byte, both ways."""
+    world = 2
+    for rank_result in ddp_runs[world]:
+        assert set(rank_result["bucket_copy"]) == {False, True}
+        for view, r in rank_result["bucket_copy"].items():
+            grads = memory.model_states(r["psi"], world, 0, "fp32", "adamw").grads
+            planned = grads + memory.ddp_bucket_copy_bytes(r["psi"], "fp32",
+                                                           gradient_as_bucket_view=view)
+            assert planned == (4 if view else 8) * r["psi"]
+            assert r["state_bytes"]["grads"] == planned, view
+            assert abs(r["allocated"] - planned) <= 0.02 * 4 * r["psi"], (view, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -6,7 +6,9 @@
 * exposed time by the schedule: DDP's last bucket, the window backward gives, nothing
   hidden where compute hides nothing (`hiding` = 0);
 * the planned collectives send the ZeRO paper's volumes (2Ψ, 3Ψ) and match a ledger's;
-* MFU in the run report, from the report's own figures;
+* MFU in the run report against a datasheet peak (None on a CPU), and the share of the
+  measured matmul rate under its own name; a GPU's peak by its name and matmul dtype;
+* `hiding` is never defaulted: a GPU Machine takes it explicitly or from the GPU check;
 * bad input refused in one line.
 """
 
@@ -54,7 +56,8 @@ def test_compute_is_six_psi_tokens_over_the_rate(model):
 
 def test_ddp_exposes_its_last_bucket_or_what_backward_cannot_hide(model):
     psi = psi_of(model)
-    fast = Machine(flops=1e11, alpha=1e-4, beta=1e8, adam_seconds=1e-8, gloo=False)
+    fast = Machine(flops=1e11, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0,
+                   gloo=False)
     backward = 4 * psi * TOKENS / fast.flops
     small, large = 1 << 16, 1 << 20
     ledger = [record("all_reduce", large), record("all_reduce", small)]
@@ -164,7 +167,7 @@ def test_bad_input_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="tokens >= 1"):
         predict_step("ddp", model, WORLD, {}, MACHINE, tokens=0)
     with pytest.raises(ValueError, match="flops > 0"):
-        Machine(flops=0, alpha=0, beta=1, adam_seconds=0)
+        Machine(flops=0, alpha=0, beta=1, adam_seconds=0, hiding=0)
     with pytest.raises(ValueError, match="hiding"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=2)
 
@@ -174,17 +177,77 @@ def test_matmul_rate_is_a_rate():
     assert rate > 0 and math.isfinite(rate)
 
 
-def test_report_mfu_is_model_flops_over_step_over_rate():
+def test_report_mfu_is_against_the_datasheet_peak_and_matmul_utilization_is_not():
+    """MFU = model FLOP/s over the datasheet peak; the share of the measured matmul rate
+    is reported apart, as matmul utilization; a CPU run (no peak) has no MFU."""
     report = RunReport(0, 2, "ddp", [1.0] * 4, {}, {}, [], [1.0, 0.5, 0.5, 1.0],
-                       tokens_per_step=100, model_flops_per_step=1e9, matmul_flops=1e10)
+                       tokens_per_step=100, model_flops_per_step=1e9, matmul_flops=1e10,
+                       peak_flops=4e10)
     [m] = production_metrics([report])
-    assert m["mfu_pct"] == pytest.approx(100 * 1e9 / 0.5 / 1e10)  # 20 %: the steady median
-    assert production_metrics([RunReport(0, 1, "single", [1.0], {}, {}, [], [1.0])])[0][
-        "mfu_pct"] is None
+    assert m["mfu_pct"] == pytest.approx(100 * 1e9 / 0.5 / 4e10)  # 5 %: the steady median
+    assert m["matmul_utilization_pct"] == pytest.approx(100 * 1e9 / 0.5 / 1e10)  # 20 %
+    cpu = RunReport(0, 2, "ddp", [1.0] * 4, {}, {}, [], [1.0, 0.5, 0.5, 1.0],
+                    tokens_per_step=100, model_flops_per_step=1e9, matmul_flops=1e10)
+    [m] = production_metrics([cpu])
+    assert m["mfu_pct"] is None and m["matmul_utilization_pct"] == pytest.approx(20)
+    empty = production_metrics([RunReport(0, 1, "single", [1.0], {}, {}, [], [1.0])])[0]
+    assert empty["mfu_pct"] is None and empty["matmul_utilization_pct"] is None
+
+
+def test_datasheet_peaks_by_gpu_name_and_matmul_dtype():
+    """The names torch.cuda.get_device_name gives, mapped to the datasheets' dense peaks;
+    fp32 matmuls count at the fp32 rate unless PyTorch lets them use TF32."""
+    from shardlab import hardware
+    from shardlab.steptime import datasheet_peak, matmul_dtype
+    assert hardware.peak_flops("NVIDIA H100 80GB HBM3", "bf16").value == 989e12
+    assert hardware.peak_flops("NVIDIA H100 PCIe", "bf16").value == 756e12
+    assert hardware.peak_flops("NVIDIA H200", "fp16").value == 989e12
+    assert hardware.peak_flops("NVIDIA A100-SXM4-80GB", "fp32").value == 19.5e12
+    assert hardware.peak_flops("NVIDIA H100 NVL", "bf16") is None     # not listed
+    assert hardware.peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        hardware.peak_flops("NVIDIA H100 80GB HBM3", "fp8")
+    assert datasheet_peak("cpu", torch.bfloat16) is None
+    assert matmul_dtype(torch.bfloat16) == "bf16"
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_dtype(torch.float32) == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert matmul_dtype(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_model_flops_count_six_psi_and_optionally_palms_attention_term():
+    from shardlab.steptime import model_flops_per_token
+    assert model_flops_per_token(1000) == 6000
+    # PaLM's 12·L·d·s: Llama-2-7B (32 layers, d 4096) at 4096 tokens adds 6.4 GFLOPs
+    assert model_flops_per_token(0, 32, 4096, 4096) == 12 * 32 * 4096 * 4096
+    with pytest.raises(ValueError, match="psi, n_layers"):
+        model_flops_per_token(-1)
+
+
+def test_a_gpu_machine_takes_hiding_explicitly_or_from_the_gpu_check(tmp_path):
+    """No default says a GPU hides everything: unmeasured is refused in one line."""
+    from shardlab.steptime import gpu_machine
+    missing = tmp_path / "gpu-check.json"
+    with pytest.raises(ValueError, match="hiding on a GPU is unmeasured"):
+        gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
+    assert gpu_machine(1e15, 5e-6, 4.5e11, hiding=0.7).hiding == 0.7
+    missing.write_text('{"hiding": 0.62, "device": "one H100"}')
+    machine = gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
+    assert (machine.hiding, machine.gloo) == (0.62, False)
+    missing.write_text('{"device": "one H100"}')
+    with pytest.raises(ValueError, match="no number under 'hiding'"):
+        gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
+    with pytest.raises(TypeError):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0)  # hiding has no default
 
 
 def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
-    """One launch: every rank's report states MFU and tokens/s (the summary prints them),
+    """One launch: every rank's report states its matmul utilization and tokens/s, and no
+    MFU on a CPU (the summary prints both columns),
     and --profile's folder holds a Chrome trace per rank with the loop's phases and the
     collectives of the step."""
     import json
@@ -194,9 +257,10 @@ def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
     reports = run(TrainConfig(strategy="zero2", world=2, steps=3, measure_memory=False,
                               profile_dir=str(tmp_path / "traces")))
     for m in production_metrics(reports):
-        assert m["mfu_pct"] is not None and m["mfu_pct"] > 0
+        assert m["mfu_pct"] is None  # a CPU: no datasheet peak
+        assert m["matmul_utilization_pct"] is not None and m["matmul_utilization_pct"] > 0
         assert m["tokens_per_s"] > 0
-    assert "MFU %" in summary_table(reports)
+    assert "MFU %" in summary_table(reports) and "mm-util %" in summary_table(reports)
     for rank in (0, 1):
         trace = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}

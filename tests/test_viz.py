@@ -48,3 +48,20 @@ def test_per_rank_figure_refuses_a_prediction_per_rank_of_the_wrong_length():
     one = memory.model_states(1000, 2, 1).as_dict()
     with pytest.raises(ValueError, match="one per rank"):
         viz.per_rank_figure([{"name": "zero1", "predicted": [one] * 3, "measured": [one] * 2}])
+
+
+def test_reduction_precision_figure_draws_one_line_per_case_at_its_errors():
+    from shardlab.comm.reduction_precision import ReductionError
+    rows = [ReductionError(n, acc, red, 1e-3 * n if red == "bf16" else 1e-7)
+            for n in (2, 4, 8) for acc, red in (("fp32", "fp32"), ("fp32", "bf16"),
+                                                ("bf16", "bf16"))]
+    ax = viz.reduction_precision_figure(rows)
+    lines = {line.get_label(): line for line in ax.get_lines()
+             if not line.get_label().startswith("_")}
+    assert set(lines) == {"reduce in fp32, accumulate in fp32",
+                          "reduce in bf16, accumulate in fp32",
+                          "reduce in bf16, accumulate in bf16"}
+    bf16 = lines["reduce in bf16, accumulate in fp32"]
+    assert list(bf16.get_xdata()) == [2, 4, 8]
+    assert list(bf16.get_ydata()) == pytest.approx([2e-3, 4e-3, 8e-3])
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"

@@ -12,6 +12,14 @@ side by side. Two rules make the count honest:
   "optimizer". A strategy object that knows better declares its tensors itself with a
   `state_tensors() -> {"params": [...], "grads": [...], "optimizer": [...]}` method.
 
+One holder keeps memory that no Python tensor reaches: PyTorch's DistributedDataParallel,
+whose C++ Reducer holds flat buckets for all the gradients it all-reduces
+(`torch/nn/parallel/distributed.py`, `gradient_as_bucket_view`). With the default
+`gradient_as_bucket_view=False` they are a second copy of the gradients beside the
+parameters' `.grad`; with True the `.grad` are views into them. Their bytes, as the Reducer
+reports them (`ddp_bucket_bytes`), count as "grads" wherever no `.grad` already reaches
+them.
+
     >>> sizes = state_bytes(model, optimizer)   # after backward and step
     >>> with track_peak(model, optimizer) as peak:
     ...     loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
@@ -132,11 +140,45 @@ def unique_storages(*holders: Any) -> Iterator[tuple[str, torch.Tensor, int]]:
 
 def state_bytes(*holders: Any) -> dict[str, int]:
     """Bytes this rank holds by category ("params", "grads", "optimizer", "buffers"),
-    each storage counted once across all holders."""
+    each storage counted once across all holders; PyTorch DDP's gradient buckets in
+    "grads" (`hidden_bucket_bytes`)."""
     totals = dict.fromkeys(CATEGORIES, 0)
     for category, _, nbytes in unique_storages(*holders):
         totals[category] += nbytes
+    totals["grads"] += hidden_bucket_bytes(*holders)
     return totals
+
+
+def ddp_bucket_bytes(module: Any) -> int:
+    """Bytes of the flat gradient buckets PyTorch's DistributedDataParallel keeps in its
+    C++ Reducer, as the Reducer reports them (`_get_ddp_logging_data()`: the buckets it
+    built, or rebuilt after the first step in the order gradients arrived): one copy of
+    every gradient it reduces. 0 for any other holder."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    logged = module._get_ddp_logging_data()
+    sizes = logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or ""
+    return sum(int(size) for size in str(sizes).split(",") if size.strip())
+
+
+def hidden_bucket_bytes(*holders: Any) -> int:
+    """The bytes of DDP's buckets that no `.grad` reaches: all of them with
+    `gradient_as_bucket_view=False` (the default: the `.grad` are a copy of their own), and
+    with True those of buckets no `.grad` is a view of at the moment (after
+    `zero_grad(set_to_none=True)` the buckets stay, the views go)."""
+    hidden, seen = 0, set()
+    for holder in holders:
+        buckets = ddp_bucket_bytes(holder)
+        if not buckets or id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        if not holder.gradient_as_bucket_view:
+            hidden += buckets
+            continue
+        bound = dict(key_bytes for p in holder.parameters() if p.grad is not None
+                     if (key_bytes := storage_key_and_bytes(p.grad)) is not None)
+        hidden += max(0, buckets - sum(bound.values()))
+    return hidden
 
 
 # ----------------------------------------------------------------------------- peak
@@ -218,17 +260,23 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
             moved[category] += nbytes
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
     peak.next_forward = tracker.reset_mod_stats
+    # DDP's buckets live through the whole step in C++, allocated before it and, with
+    # gradient_as_bucket_view=True, bound to the `.grad` in C++ too: MemTracker, which
+    # follows the tensors Python creates and the gradients autograd accumulates, never
+    # meets them (measured on torch 2.13: its peak is the same without them). Add them.
+    buckets = sum(ddp_bucket_bytes(m) for m in {id(m): m for m in modules}.values())
     with tracker:
         yield peak
     snap = tracker.get_tracker_snapshot("peak")
     device_snap = next(iter(snap.values()), {})
     peak.device = str(next(iter(snap), "cpu"))
-    peak.bytes = int(device_snap.get("Total", 0))
+    peak.bytes = int(device_snap.get("Total", 0)) + buckets
     by = {ours: int(device_snap.get(theirs, 0)) for theirs, ours in _MEMTRACKER_NAMES.items()}
     for category, nbytes in moved.items():
         nbytes = min(nbytes, by["other"])
         by[category] += nbytes
         by["other"] -= nbytes
+    by["grads"] += buckets
     peak.by_category = by
 
 
@@ -286,6 +334,28 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise OSError(f"/proc/self/status has no {field} (not Linux?)")
+
+
+def host_allocated_bytes() -> int:
+    """Bytes the process's C allocator (glibc's malloc) has handed out and not taken back:
+    `mallinfo2()`'s in-use bytes of its arenas plus its mmapped blocks. Every CPU tensor's
+    storage comes from there (c10's CPU allocator calls `posix_memalign`), whoever
+    allocates it, C++ included, which is how the bytes of a buffer no Python object
+    reaches (DDP's Reducer buckets) can be measured. Linux with glibc >= 2.33."""
+    import ctypes
+    import ctypes.util
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        raise OSError("this C library has no mallinfo2 (glibc >= 2.33 on Linux)")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def host_rss_bytes() -> int:

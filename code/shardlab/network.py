@@ -21,8 +21,10 @@ given (`alpha_intra`, `alpha_inter`): a ring across nodes pays the slower one pe
 FSDP over all GPUs and HSDP (shard inside a node, replicate across) are two ways to put
 one step's collectives on those two links (`fsdp_collectives_seconds`,
 `hsdp_collectives_seconds`): FSDP's rings cross nodes through every NIC of the node at
-once, but only as long as its slowest hop; HSDP runs on NVLink, then all-reduces a 1/S
-shard with one NIC per GPU.
+once, but only as long as its slowest hop; HSDP runs its gathers and reduce-scatters on
+NVLink and all-reduces each unit's 1/S shard with one NIC per GPU, on a stream of its own
+beside the next units' NVLink collectives, as PyTorch's FSDP2 runs it
+(`comm.hsdp_overlap`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from shardlab import hardware
+from shardlab.comm.volumes import HsdpSeconds, hsdp_overlap
 
 # bytes each rank sends on a ring, as a multiple of (N - 1)/N of the full tensor
 RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -111,32 +114,52 @@ def collective_seconds(op: str, nbytes: float, world: int, cluster: Cluster = H1
 
 
 def fsdp_collectives_seconds(nbytes: float, world: int, cluster: Cluster = H100_NODES,
-                             alpha_intra: float = 0.0, alpha_inter: float = 0.0) -> float:
-    """One step of FSDP over all `world` GPUs, its model of `nbytes`: two all-gathers and
-    a reduce-scatter, each a ring over every GPU (across nodes once `world` is more than
-    a node: the α of each round is then the link between nodes')."""
+                             alpha_intra: float = 0.0, alpha_inter: float = 0.0,
+                             units: int = 1) -> float:
+    """One step of FSDP over all `world` GPUs, its model of `nbytes` in `units` equal
+    units: two all-gathers and a reduce-scatter of each, each a ring over every GPU
+    (across nodes once `world` is more than a node: the α of each round is then the link
+    between nodes'). The units change only the latency: each pays its rounds."""
+    _check_units(units)
     alpha = alpha_inter if world > cluster.gpus_per_node else alpha_intra
-    return 3 * collective_seconds("all_gather", nbytes, world, cluster, alpha=alpha)
+    return 3 * units * collective_seconds("all_gather", nbytes / units, world, cluster,
+                                          alpha=alpha)
+
+
+def _check_units(units) -> None:
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise ValueError(f"units must be a whole number >= 1 (the FSDP units: e.g. one "
+                         f"per layer and the root), got {units!r}")
 
 
 def hsdp_collectives_seconds(nbytes: float, world: int, shard_group: int,
                              cluster: Cluster = H100_NODES, alpha_intra: float = 0.0,
-                             alpha_inter: float = 0.0) -> dict[str, float]:
-    """One step of HSDP, by link: FSDP's three collectives inside a shard group of S GPUs
-    of one node (NVLink), then an all-reduce of the Ψ/S gradient shard over the R = N/S
-    replicas, one GPU per node, every GPU of the node at once (one NIC each)."""
+                             alpha_inter: float = 0.0, *, units: int) -> HsdpSeconds:
+    """One step of HSDP, its model of `nbytes` in `units` equal units: FSDP's three
+    collectives of each unit inside a shard group of S GPUs of one node (NVLink), and per
+    unit an all-reduce of its Ψ/S gradient shard over the R = N/S replicas, one GPU per
+    node, every GPU of the node at once (one NIC each).
+
+    `intra_node` and `inter_node` are each link's busy time; `overlapped` the step's
+    communication as PyTorch's FSDP2 runs it, each unit's all-reduce on its own stream
+    beside the next units' NVLink collectives (`comm.hsdp_overlap`); `serial` one after
+    the other."""
     if not 1 <= shard_group <= cluster.gpus_per_node or world % shard_group \
             or cluster.gpus_per_node % shard_group:
         raise ValueError(f"shard_group must divide world={world} and "
                          f"gpus_per_node={cluster.gpus_per_node}, got {shard_group!r}")
+    _check_units(units)
     replicas = world // shard_group
-    inter = 0.0
+    unit = nbytes / units
+    gather = collective_seconds("all_gather", unit, shard_group, cluster, alpha=alpha_intra)
+    reduce = 0.0
     if replicas > 1:
-        inter = collective_seconds("all_reduce", nbytes / shard_group, replicas, cluster,
-                                   ranks_per_node=1, alpha=alpha_inter)
-    return {"intra-node": 3 * collective_seconds("all_gather", nbytes, shard_group,
-                                                 cluster, alpha=alpha_intra),
-            "inter-node": inter}
+        reduce = collective_seconds("all_reduce", unit / shard_group, replicas, cluster,
+                                    ranks_per_node=1, alpha=alpha_inter)
+    # a reduce-scatter moves what an all-gather does, over the same ring
+    return HsdpSeconds(intra_node=3 * units * gather, inter_node=units * reduce,
+                       overlapped=hsdp_overlap([gather] * units,
+                                               [(gather, gather, reduce)] * units))
 
 
 def tokens_to_hide(op: str, world: int, cluster: Cluster = H100_NODES,

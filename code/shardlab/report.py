@@ -23,10 +23,17 @@ timestamps the run recorded (never from an assumed bandwidth):
   ranks' records of one collective are paired by process group and order, and their
   launch times laid on one clock (`comm.clock_offset`). A straggler shows it: every rank
   but the slow one is idle for about the slow rank's delay;
-* **MFU** (model FLOPs utilization): the model's 6ΨT FLOPs of a step over the step's
-  time, as a share of the matmul rate this rank measured on the model's own shapes at the
-  start of the run (a measured rate, not a datasheet's peak: on a shared CPU, the rank's
-  share of the cores);
+* **MFU** (model FLOPs utilization, as PaLM defines it, appendix B): the model's FLOPs
+  of a step over the step's time, as a share of the GPU's *datasheet* peak in the
+  matmuls' dtype (`hardware.peak_flops`; dense, bf16 989 TFLOP/s on an H100 SXM). The
+  FLOPs are 6ΨT (Ψ the trainable parameters, embeddings included; attention's 12·L·d·s
+  per token left out: `steptime.model_flops_per_token`). None where there is no
+  datasheet peak: on a CPU, or on a GPU the course has no figure for;
+* **matmul utilization**: the same FLOPs per second as a share of the matmul rate this
+  rank measured on the model's own shapes at the start of the run
+  (`steptime.matmul_rate`; on a shared CPU, the rank's share of the cores). Not MFU: a
+  measured rate sits below the datasheet's peak, so this share is larger than the MFU of
+  the same run, and it compares with no published MFU. It is what a CPU run can report;
 * **peak allocated** memory of the last step, and **peak reserved** on CUDA (what the
   caching allocator took from the device; None on a CPU);
 * **checkpoint save and load** seconds, where the run saved or resumed.
@@ -92,9 +99,12 @@ class RunReport:
     host: str = ""
     local_rank: int = 0
     local_world: int = 1
-    # MFU's two figures: the model's FLOPs in this rank's step (6 Ψ T) and this rank's
-    # matmul rate on the model's shapes, measured at the run's start (`steptime.matmul_rate`)
+    # The model's FLOPs in this rank's step (6 Ψ T), and the two rates they are divided
+    # by: the datasheet's peak of this rank's GPU in the matmuls' dtype (MFU; 0 where
+    # none is known: a CPU) and this rank's matmul rate on the model's shapes, measured
+    # at the run's start (matmul utilization; `steptime.matmul_rate`)
     model_flops_per_step: float = 0.0
+    peak_flops: float = 0.0
     matmul_flops: float = 0.0
     # each step's global gradient norm before clipping (TrainConfig.clip_norm; [] without)
     grad_norms: list[float] = field(default_factory=list)
@@ -320,8 +330,11 @@ def production_metrics(reports: list[RunReport]) -> list[dict[str, Any]]:
 
         comm = sum(row.get("comm_seconds") or 0.0 for row in rows)
         step_s = median("seconds")
-        mfu = (100 * report.model_flops_per_step / step_s / report.matmul_flops
-               if step_s and report.matmul_flops > 0 else None)
+        achieved = report.model_flops_per_step / step_s if step_s else None
+        mfu = (100 * achieved / report.peak_flops
+               if achieved is not None and report.peak_flops > 0 else None)
+        matmul_utilization = (100 * achieved / report.matmul_flops
+                              if achieved is not None and report.matmul_flops > 0 else None)
         exposed = sum(row.get("exposed_seconds") or 0.0 for row in rows)
         saves = report.checkpoint_save_seconds
         summaries.append({
@@ -329,6 +342,7 @@ def production_metrics(reports: list[RunReport]) -> list[dict[str, Any]]:
             "step_ms": ms("seconds"),
             "tokens_per_s": median("tokens_per_second"),
             "mfu_pct": mfu,
+            "matmul_utilization_pct": matmul_utilization,
             "all_gather_ms": ms("all_gather_seconds"),
             "reduce_scatter_ms": ms("reduce_scatter_seconds"),
             "all_reduce_ms": ms("all_reduce_seconds"),
@@ -358,7 +372,8 @@ def _cell(value, scale: float = 1.0, digits: int = 1, width: int = 8) -> str:
 def summary_table(reports: list[RunReport]) -> str:
     """Two blocks of one line per rank: what it holds and sends (final loss, median step
     time, model states, peak, traffic), then where its step's time went (the production
-    metrics, ms per step, medians over the steady steps)."""
+    metrics, ms per step, medians over the steady steps). "MFU %" is against the GPU's
+    datasheet peak ("-" on a CPU); "mm-util %" against the matmul rate the rank measured."""
     mib = 1024 * 1024
     head = (f"{'rank':>4} {'loss':>8} {'step ms':>8} {'params MiB':>11} {'grads MiB':>10} "
             f"{'optim MiB':>10} {'peak MiB':>9} {'sent MiB/step':>14} {'colls/step':>11}")
@@ -370,13 +385,15 @@ def summary_table(reports: list[RunReport]) -> str:
                      f"{s.get('optimizer', 0) / mib:>10.3f} "
                      f"{r.peak.get('total', 0) / mib:>9.3f} {t['sent_bytes'] / mib:>14.3f} "
                      f"{t['calls']:>11.1f}")
-    head = (f"{'rank':>4} {'tokens/s':>9} {'MFU %':>6} {'AG ms':>7} {'RS ms':>7} {'AR ms':>7} "
+    head = (f"{'rank':>4} {'tokens/s':>9} {'MFU %':>6} {'mm-util %':>9} {'AG ms':>7} "
+            f"{'RS ms':>7} {'AR ms':>7} "
             f"{'exposed':>8} {'overlap%':>8} {'idle ms':>8} {'alloc MiB':>9} "
             f"{'rsrvd MiB':>9} {'save s':>7} {'load s':>7}")
     lines += ["", head, "-" * len(head)]
     for m in production_metrics(reports):
         lines.append(f"{m['rank']:>4} {_cell(m['tokens_per_s'], 1, 0, 9)} "
                      f"{_cell(m['mfu_pct'], width=6)} "
+                     f"{_cell(m['matmul_utilization_pct'], width=9)} "
                      f"{_cell(m['all_gather_ms'], width=7)} "
                      f"{_cell(m['reduce_scatter_ms'], width=7)} "
                      f"{_cell(m['all_reduce_ms'], width=7)} "

@@ -4,7 +4,7 @@ what of the communication the strategy's schedule leaves exposed.
     compute         forward 2ΨT/F, backward 4ΨT/F (6ΨT for the step), T tokens per rank,
                     F the rate this machine reaches on the model's own forward and
                     backward with all ranks running (`compute_rate`; the matmul rate
-                    `matmul_rate` is the ceiling, MFU's denominator);
+                    `matmul_rate` is its ceiling on this machine);
                     the optimizer step: the parameters this rank steps x AdamW's
                     measured seconds per parameter (Ψ for DDP, Ψ/N once sharded)
     communication   each collective, kind and size as the ledger records them, by the
@@ -13,28 +13,45 @@ what of the communication the strategy's schedule leaves exposed.
     exposed         the strategy's schedule: where each collective runs and what compute
                     it can hide behind (its card's `schedule`, `shardlab.cards`)
 
-A collective hides behind compute only as well as the machine lets it: on a GPU NCCL runs
-on its own stream (`hiding` = 1); on a CPU gloo's copies run on the cores that compute,
-and `hiding`, measured by `hiding_fraction`, is the share of an overlapped collective's
-time that does not come back as slower compute.
+A collective hides behind compute only as well as the machine lets it: `hiding` is the
+share of an overlapped collective's time that does not come back as slower compute. It is
+a measured number, never assumed. On a CPU gloo's copies run on the cores that compute;
+`hiding_fraction` measures it. On a GPU communication is not free either: NCCL's ring and
+tree collectives are CUDA kernels, each channel one CTA (thread block) on an SM, reading
+and writing the same HBM as the matmuls beside them (NCCL user guide, environment
+variables NCCL_MIN_CTAS / NCCL_MAX_CTAS and `ncclConfig_t`'s minCTAs / maxCTAs, which
+torch exposes as `ProcessGroupNCCL.NCCLConfig.min_ctas` / `max_ctas` in
+`torch/_C/_distributed_c10d.pyi`). A separate stream lets them run at the same time as
+compute, not for nothing: how much of them comes back as slower matmuls is unknown until a
+GPU run measures it. `gpu_machine` therefore takes `hiding` explicitly, or reads the GPU
+check's measurement (`GPU_CHECK`), and refuses to guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
 `hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.demo.measure_machine` runs them on
 every rank).
+
+The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
+included (each tied weight once), with attention's score and value matmuls left out:
+`model_flops_per_token` adds PaLM's 12·L·d·s for them when asked. MFU, those FLOPs per
+second over a GPU's *datasheet* peak (`datasheet_peak`), is what `shardlab.report` prints;
+`matmul_rate` is a different denominator, this machine's measured matmul rate.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
@@ -52,7 +69,8 @@ class Machine:
     alpha: float                   # s per ring round (α-β fit)
     beta: float                    # bytes/s of one ring round (α-β fit)
     adam_seconds: float            # AdamW's seconds per parameter stepped
-    hiding: float = 1.0            # share of overlapped communication that is hidden
+    hiding: float                  # share of overlapped communication that is hidden:
+                                   # measured (`hiding_fraction`), never a default
     gloo: bool = True              # gloo's algorithms: reduce-scatter as an all-reduce,
                                    # broadcast as a binomial tree
 
@@ -61,6 +79,35 @@ class Machine:
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
                              f"adam_seconds >= 0 and 0 <= hiding <= 1, got {self}")
+
+
+# The GPU check's results, where a GPU run records what a CPU cannot measure (the share of
+# NCCL's overlapped communication that compute hides): a JSON object with "hiding" in it.
+GPU_CHECK = Path(__file__).resolve().parents[2] / "labs" / "data" / "gpu-check.json"
+
+
+def gpu_machine(flops: float, alpha: float, beta: float, adam_seconds: float = 0.0,
+                hiding: float | None = None, check: str | Path | None = None) -> Machine:
+    """A `Machine` for NCCL on GPUs (its own algorithms: `gloo=False`).
+
+    `hiding` on a GPU is unmeasured until a GPU run records it: NCCL's kernels take SMs and
+    memory bandwidth from the matmuls they overlap (see the module's docstring), so it is
+    below 1 by an amount no datasheet gives. Pass it (an assumption the text must state as
+    one, e.g. 1.0 for the optimistic bound), or leave it None to read it from the GPU
+    check's file (`check`, by default `GPU_CHECK`). Neither: a ValueError saying so."""
+    if hiding is None:
+        path = Path(check) if check is not None else GPU_CHECK
+        if not path.is_file():
+            raise ValueError(f"hiding on a GPU is unmeasured: {path} does not exist (the GPU "
+                             f"check writes it). Pass hiding=... explicitly and state it "
+                             f"as an assumption (1.0 is the bound where overlap is free)")
+        try:
+            hiding = float(json.loads(path.read_text())["hiding"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} holds no number under 'hiding' ({exc}); the GPU check "
+                             f"writes {{\"hiding\": <0..1>, ...}}") from None
+    return Machine(flops=flops, alpha=alpha, beta=beta, adam_seconds=adam_seconds,
+                   hiding=hiding, gloo=False)
 
 
 @dataclass
@@ -83,7 +130,7 @@ class StepPrediction:
     compute: dict[str, float]
     exposed: dict[str, float]
     collectives: list[Collective] = field(default_factory=list)
-    hiding: float = 1.0   # the machine's, as the prediction used it
+    hiding: float = 0.0   # the machine's, as the prediction used it
 
     @property
     def compute_seconds(self) -> float:
@@ -312,11 +359,48 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+def model_flops_per_token(psi: int, n_layers: int = 0, d_model: int = 0,
+                          seq_len: int = 0) -> float:
+    """The model FLOPs of one token's forward and backward: 6Ψ (2Ψ forward, 4Ψ backward;
+    Ψ the trainable parameters, embeddings included), plus PaLM's 12·L·d·s for attention's
+    score and value matmuls when `n_layers`, `d_model` and `seq_len` are given (Chowdhery
+    et al. 2022, appendix B; L layers of width d over sequences of s tokens). Recomputed
+    forwards are not model FLOPs: MFU leaves them out."""
+    if psi < 0 or n_layers < 0 or d_model < 0 or seq_len < 0:
+        raise ValueError(f"need psi, n_layers, d_model, seq_len >= 0, got {psi}, "
+                         f"{n_layers}, {d_model}, {seq_len}")
+    return 6 * psi + 12 * n_layers * d_model * seq_len
+
+
+def matmul_dtype(param_dtype: torch.dtype) -> str:
+    """The dtype a model's matmuls run in, as the datasheets name it: bf16 or fp16 for
+    such parameters; for fp32 ones, "tf32" where PyTorch lets matmuls use TF32
+    (`torch.get_float32_matmul_precision()` is "high" or "medium"), else "fp32"."""
+    if param_dtype == torch.bfloat16:
+        return "bf16"
+    if param_dtype == torch.float16:
+        return "fp16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def datasheet_peak(device: torch.device | str, param_dtype: torch.dtype) -> float | None:
+    """MFU's denominator for a rank on `device`: the datasheet's dense peak FLOP/s of that
+    GPU in the matmuls' dtype (`hardware.peak_flops`), or None on a CPU or a GPU the
+    course has no datasheet figure for."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    peak = hardware.peak_flops(torch.cuda.get_device_name(device), matmul_dtype(param_dtype))
+    return None if peak is None else peak.value
+
+
 def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
                 device: torch.device | str = "cpu") -> float:
     """FLOP/s of this process on the model's own matmuls: `tokens` rows through each
     distinct `nn.Linear` shape (a square 256 matmul for a model with none), the median of
-    `repeats` timings. Milliseconds for the course's models: cheap enough for every run."""
+    `repeats` timings. Milliseconds for the course's models: cheap enough for every run.
+    Not MFU's denominator (a datasheet peak is): the run's FLOP/s over this rate is its
+    "matmul utilization", the share of what this machine reaches on these shapes."""
     shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
                      if isinstance(m, nn.Linear)}) or [(256, 256)]
     tokens = max(1, int(tokens))
@@ -380,8 +464,9 @@ def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
                     device: torch.device | str = "cpu") -> float:
     """Run on every rank of a group: the share of an all-reduce's time that compute
     running meanwhile hides, (C + M - T) / min(C, M), with C matmuls alone, M the
-    all-reduce alone and T both at once. 1 where communication has engines of its own
-    (NCCL on a GPU), less where its copies take the cores that compute (gloo on a CPU)."""
+    all-reduce alone and T both at once. Below 1 wherever communication and compute share
+    something: the cores (gloo on a CPU), or SMs and memory bandwidth (NCCL's kernels on a
+    GPU, where it is measured by the GPU check, not assumed)."""
     import torch.distributed as dist
     device = torch.device(device)
     x = torch.ones(numel, device=device)

@@ -52,7 +52,7 @@ from shardlab.config import TrainConfig, checkpoint_folders_locked, checkpoint_r
 from shardlab.models import build_model, get_batch, global_token_count, micro_batch_loss
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
-from shardlab.steptime import matmul_rate
+from shardlab.steptime import datasheet_peak, matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters, optimizer_spec
 
 # ----------------------------------------------------------------------------- the loop
@@ -120,7 +120,8 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     if config.init_from:  # pretrained: built on meta, each rank reads its pieces
         shapes = build_on_meta(config.model, config.model_config)
         psi = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
-        # MFU's denominator: milliseconds of the model's own matmuls, every rank at once
+        # matmul utilization's denominator: milliseconds of the model's own matmuls,
+        # every rank at once (MFU's is the GPU's datasheet peak)
         rate = matmul_rate(shapes, tokens // config.grad_accum, device=device)
         wrapped = wrap_on_meta(config.model, config.model_config, config.strategy,
                                precision, spec, config.options, device, config.init_from,
@@ -247,6 +248,7 @@ def train_worker(config: TrainConfig, progress: str | None = None,
                      node=here.node, host=here.host, local_rank=here.local_rank,
                      local_world=here.local_world,
                      model_flops_per_step=6 * psi * tokens, matmul_flops=rate,
+                     peak_flops=datasheet_peak(device, precision.param_dtype) or 0.0,
                      grad_norms=list(wrapped.clip.norms) if wrapped.clip is not None else [])
 
 

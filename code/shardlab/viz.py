@@ -367,3 +367,40 @@ def predicted_beside_profiled(ax, predicted: Sequence[tuple[str, str, float, flo
 
 
 __all__ += ["profiled_spans", "predicted_beside_profiled"]
+
+
+def reduction_precision_figure(rows: Sequence, ax=None, title: str = ""):
+    """The relative error of a summed gradient against fp64, as a function of the number
+    of ranks N, from `shardlab.comm.reduction_precision.reduction_errors`: one line per
+    (accumulate, reduce) case, the reduction's dtype by colour, the accumulation's by the
+    line (solid fp32, dashed bf16), and each dtype's unit roundoff as a dotted level."""
+    plt = _pyplot()
+    from shardlab.comm.reduction_precision import UNIT_ROUNDOFF
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 3.8), dpi=DPI)
+    colors = {"fp32": "#4C72B0", "bf16": "#C44E52"}
+    cases = sorted({(r.accumulate, r.reduce) for r in rows}, reverse=True)
+    for accumulate, reduce in cases:
+        these = sorted((r.ranks, r.error) for r in rows
+                       if (r.accumulate, r.reduce) == (accumulate, reduce))
+        ax.plot([n for n, _ in these], [e for _, e in these], "o-" if accumulate == "fp32"
+                else "s--", color=colors[reduce], markersize=4,
+                label=f"reduce in {reduce}, accumulate in {accumulate}")
+    for dtype, u in UNIT_ROUNDOFF.items():
+        ax.axhline(u, color=colors[dtype], linestyle=":", linewidth=0.8)
+        ax.annotate(f"{dtype} unit roundoff", (0.0, u), xycoords=("axes fraction", "data"),
+                    xytext=(4, 3), textcoords="offset points", ha="left",
+                    fontsize=SMALLEST_PT, color=colors[dtype])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks N in the reduction")
+    ax.set_ylabel("relative error against fp64")
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(frameon=False, fontsize=SMALLEST_PT, loc="center right")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+__all__.append("reduction_precision_figure")

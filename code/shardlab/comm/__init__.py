@@ -8,12 +8,15 @@ One idea, *what a collective costs*, in a file per part, so that each reads alon
                  with its bytes, its launch, its completion and the waits for it
     records.py   what a record holds, `ring_traffic` (the bytes it counts), and the sums
     volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring, one (α, β)
-                 per link past one node
+                 per link past one node; HSDP's two lanes as FSDP2 overlaps them
     compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
     links.py     which link a collective crosses (its group's label), and a slower link
                  simulated on one machine (`throttle_link`: a sleep, labelled so)
     flight.py    a flight recorder: the ledger's last K collectives in a file per rank
     hang_diagnosis.py  the ranks' flight files compared: who is behind, what mismatched
+    reduction_precision.py  what a reduction loses in bf16: the ring's sum replayed in
+                 one process against fp64, over N ranks and M micro-batches; each
+                 system's default reduce dtype, with its source
 
 Import from `shardlab.comm` (as every chapter and lab does); the parts import each other
 one way only: compat and records import nothing of the course, links builds on the records,
@@ -30,7 +33,8 @@ from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_s
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
                                 ring_broadcast, ring_reduce_scatter)
-from shardlab.comm.volumes import (Link, fit_alpha_beta, fsdp_step_seconds,
+from shardlab.comm.volumes import (HsdpSeconds, Link,
+                                   fit_alpha_beta, fsdp_step_seconds, hsdp_overlap,
                                    hsdp_step_seconds, hsdp_volume_per_link, predict_seconds,
                                    volume_per_rank)
 
@@ -42,5 +46,5 @@ __all__ = [
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
     "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
     "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",
-    "Link", "fsdp_step_seconds", "hsdp_step_seconds",
+    "Link", "fsdp_step_seconds", "hsdp_step_seconds", "HsdpSeconds", "hsdp_overlap",
 ]

@@ -3,7 +3,8 @@
 Past one node there are two links, each with its own (α, β) (`Link`): a ring inside a
 node runs on the fast one, a ring that spans nodes at the pace of its slowest hop, the
 link between nodes. `fsdp_step_seconds` and `hsdp_step_seconds` put a sharded model's
-collectives of one step on those links.
+collectives of one step on those links; `hsdp_overlap` lays HSDP's on two lanes, as
+PyTorch's FSDP2 runs them on a GPU.
 
 `volume_per_rank` is the analysis (bytes a rank sends per step, by strategy);
 `predict_seconds` and `fit_alpha_beta` turn bytes into time and measured records into α
@@ -113,17 +114,78 @@ def fsdp_step_seconds(unit_bytes: Iterable[int], world: int, link: Link) -> floa
                for b in unit_bytes)
 
 
+@dataclass(frozen=True)
+class HsdpSeconds:
+    """One step of HSDP's collectives: the seconds each link is busy, and the step's
+    communication with the replicas' all-reduces overlapped as FSDP2 runs them.
+
+    `serial` is `intra_node + inter_node`: a run whose all-reduce blocks until it is done
+    before the next collective starts, as the course's `hsdp` and PyTorch's FSDP2 do on a
+    CPU (there `dist.all_reduce` returns when it has finished; the streams are no-ops).
+    `overlapped` is PyTorch's FSDP2 on GPUs (`hsdp_overlap`)."""
+
+    intra_node: float
+    inter_node: float
+    overlapped: float
+
+    @property
+    def serial(self) -> float:
+        return self.intra_node + self.inter_node
+
+
+def hsdp_overlap(forward_gathers: Iterable[float],
+                 backward: Iterable[tuple[float, float, float]]) -> float:
+    """Seconds of one step's HSDP collectives as PyTorch's FSDP2 runs them on a GPU.
+
+    FSDP2 launches each unit's all-reduce across the replicas on a stream of its own
+    (`FSDPCommContext.all_reduce_stream`, "Run the HSDP all-reduces concurrently with
+    all-gather/reduce-scatter since collectives use different network resources",
+    `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`): it waits for that unit's
+    reduce-scatter (`foreach_reduce` in `_fsdp_collectives.py`: `all_reduce_stream.
+    wait_stream(reduce_scatter_stream)`), and nothing in the node waits for it until
+    backward ends (`finalize_backward` waits for the last one, before the optimizer
+    step). Two lanes, then: the in-node one runs the forward's gathers, then in backward
+    each unit's gather and reduce-scatter, the next unit's gather prefetched before this
+    one's reduce-scatter (FSDP2's default backward prefetch); the replica lane runs each
+    unit's all-reduce once that unit's reduce-scatter and the previous all-reduce are
+    done. The step's communication ends with the later lane.
+
+    `forward_gathers`: the seconds of each unit's forward all-gather; `backward`: per
+    unit in backward order, (all-gather, reduce-scatter, all-reduce) seconds. Bandwidth
+    of each lane alone; contention between the lanes (SMs, memory) is left out."""
+    backward = list(backward)
+    in_node = sum(forward_gathers)
+    if not backward:
+        return in_node
+    in_node += backward[0][0]               # the first unit's gather
+    replicas_done = in_node
+    for i, (_, reduce_scatter, all_reduce) in enumerate(backward):
+        if i + 1 < len(backward):
+            in_node += backward[i + 1][0]   # the next unit's gather, prefetched
+        in_node += reduce_scatter
+        replicas_done = max(replicas_done, in_node) + all_reduce
+    return max(in_node, replicas_done)
+
+
 def hsdp_step_seconds(unit_bytes: Iterable[int], world: int, shard_group: int,
-                      intra: Link, inter: Link) -> dict[str, float]:
-    """α-β time of HSDP's collectives in one step, by link: FSDP's over the S ranks of a
-    shard group on `intra`; per unit, one all-reduce of its 1/S shard over the R = N/S
-    replicas on `inter`."""
+                      intra: Link, inter: Link) -> HsdpSeconds:
+    """α-β time of HSDP's collectives in one step: FSDP's over the S ranks of a shard
+    group on `intra` (per unit, an all-gather in forward and one in backward and a
+    reduce-scatter); per unit, one all-reduce of its 1/S shard over the R = N/S replicas
+    on `inter`. `unit_bytes` in backward order (the order of the ledger's reduce-scatters,
+    `report.unit_sizes`)."""
     unit_bytes = list(unit_bytes)
     if world < 1 or shard_group < 1 or world % shard_group:
         raise ValueError(f"shard_group must divide world, got shard_group={shard_group}, "
                          f"world={world}")
     replicas = world // shard_group
-    return {"intra-node": fsdp_step_seconds(unit_bytes, shard_group, intra),
-            "inter-node": sum(predict_seconds("all_reduce", b // shard_group, replicas,
-                                              inter.alpha, inter.beta)
-                              for b in unit_bytes)}
+
+    def on(link: Link, op: str, nbytes: int, ranks: int) -> float:
+        return predict_seconds(op, nbytes, ranks, link.alpha, link.beta)
+
+    gathers = [on(intra, "all_gather", b, shard_group) for b in unit_bytes]
+    scatters = [on(intra, "reduce_scatter", b, shard_group) for b in unit_bytes]
+    reduces = [on(inter, "all_reduce", b // shard_group, replicas) for b in unit_bytes]
+    return HsdpSeconds(intra_node=2 * sum(gathers) + sum(scatters),
+                       inter_node=sum(reduces),
+                       overlapped=hsdp_overlap(gathers, zip(gathers, scatters, reduces)))

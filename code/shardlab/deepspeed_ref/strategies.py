@@ -30,6 +30,12 @@ each one is a fact worth knowing about DeepSpeed:
   size: the default, 5e8 elements, is 2 GB of fp32 per rank whatever the model. These
   strategies default to the course's bucket (`bucket_numel`, 65,536 elements).
 
+Stages 1 and 2 keep DeepSpeed's default `use_multi_rank_bucket_allreduce: true`, under
+which `average_tensor` (`deepspeed/runtime/zero/stage_1_and_2.py`) all-reduces each bucket
+on every backend, 3Ψ on the wire a step where a reduce-scatter would send 2Ψ; false sends
+each rank's slices to it with one `dist.reduce` per destination instead. Both are options
+here, so that the tests can count both.
+
 DeepSpeed's checkpoints are its engine's to write (`wrapped.model.save_checkpoint(dir)`,
 `load_checkpoint`); `shardlab.checkpoint` reads only declared layouts and refuses these,
 saying why (their cards' `checkpoint_refusal`, `shardlab.cards`).
@@ -60,15 +66,18 @@ BUCKET_NUMEL = 1 << 16
 _COMMON = {"reduce_bucket_size": BUCKET_NUMEL, "contiguous_gradients": True,
            "offload_optimizer": False}
 OPTIONS: dict[int, dict[str, Any]] = {
-    1: {**_COMMON, "allgather_bucket_size": 500_000_000},
-    2: {**_COMMON, "allgather_bucket_size": 500_000_000, "overlap_comm": False},
+    1: {**_COMMON, "allgather_bucket_size": 500_000_000,
+        "use_multi_rank_bucket_allreduce": True},
+    2: {**_COMMON, "allgather_bucket_size": 500_000_000, "overlap_comm": False,
+        "use_multi_rank_bucket_allreduce": True},
     3: {**_COMMON, "overlap_comm": True, "offload_param": False,
         "stage3_prefetch_bucket_size": 50_000_000,
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": 1_000_000_000},
 }
-_FLAGS = ("contiguous_gradients", "overlap_comm", "offload_optimizer", "offload_param")
+_FLAGS = ("contiguous_gradients", "overlap_comm", "offload_optimizer", "offload_param",
+          "use_multi_rank_bucket_allreduce")
 
 
 def check_deepspeed_options(stage: int, options: dict, device: torch.device) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from shardlab.memory.configs import (MODELS, ModelConfig, as_config, from_hf_con
                                      get_model, num_params, read_config_json)
 from shardlab.memory.dim0 import (dim0_states, dim0_states_per_rank, parameter_shapes,
                                    rows_of, shard_elements)
-from shardlab.memory.planner import (PlanRow, bucket_bytes, format_bytes,
+from shardlab.memory.planner import (PlanRow, bucket_bytes, ddp_bucket_copy_bytes,
+                                     format_bytes,
                                      fsdp2_states_by_rank, gathered_bytes,
                                      gathered_unit_bytes, main, parse_bytes, plan, table)
 from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
@@ -39,7 +40,8 @@ __all__ = [
     "offloaded_states", "ModelConfig", "MODELS", "get_model", "num_params", "as_config",
     "from_hf_config", "read_config_json",
     "CHECKPOINTING", "ATTENTION", "layer_activations", "Activations", "activations",
-    "activation_bytes", "gathered_unit_bytes", "gathered_bytes", "bucket_bytes", "PlanRow",
+    "activation_bytes", "gathered_unit_bytes", "gathered_bytes", "bucket_bytes",
+    "ddp_bucket_copy_bytes", "PlanRow",
     "plan", "parse_bytes", "format_bytes", "table", "main", "CUDA_BLOCK", "CUDA_SMALL",
     "CUDA_SMALL_SEGMENT", "CUDA_MID", "CUDA_MID_SEGMENT", "CUDA_LARGE_ROUND",
     "cuda_block_bytes", "cuda_segment_bytes", "rows_of", "shard_elements", "dim0_states",

@@ -1,8 +1,9 @@
 """The planner: model states, activations and transients added up for every stage,
 recomputation policy and offload, and what fits; `python -m shardlab memory`.
 
-It adds what the other parts of `shardlab.memory` compute, plus the transients only a
-running step holds (the all-gathered unit of ZeRO-3, gradient buckets): a module of its
+It adds what the other parts of `shardlab.memory` compute, plus what a running step holds
+beyond the model states (the all-gathered unit of ZeRO-3, gradient buckets, PyTorch DDP's
+bucket copy of the gradients): a module of its
 own because it is the one place that combines them, and the command line that prints it.
 """
 
@@ -50,6 +51,20 @@ def bucket_bytes(bucket_numel, precision: str = "bf16-mixed", buckets: int = 1) 
     return bytes_per_param(precision).grads * bucket_numel * buckets
 
 
+def ddp_bucket_copy_bytes(psi, precision: str = "bf16-mixed",
+                          gradient_as_bucket_view: bool = False) -> int:
+    """What PyTorch's DistributedDataParallel holds beyond stage 0's model states: its
+    C++ Reducer keeps flat buckets for *all* the gradients it all-reduces, and with its
+    default `gradient_as_bucket_view=False` the parameters' `.grad` are a copy of their
+    own, so the buckets are a second full copy of the gradients, Ψ in the gradient's
+    dtype (`torch/nn/parallel/distributed.py`: True makes the `.grad` views into the
+    buckets, "the saved memory size will be equal to the total gradients size"). 0 with
+    True, and for the course's `ddp`, which points each `.grad` at its bucket slot. Checked
+    against the bytes a run of `torch-ddp` holds, both ways (`tests/test_measure.py`)."""
+    psi = check_positive("psi", psi)
+    return 0 if gradient_as_bucket_view else bytes_per_param(precision).grads * psi
+
+
 def fsdp2_states_by_rank(model: str | ModelConfig, world: int,
                          precision: str = "bf16-mixed", optimizer: str = "adamw",
                          optimizer_padded: bool = False) -> list[Breakdown]:
@@ -74,10 +89,11 @@ class PlanRow:
     activations: int  # activation_bytes(...) of the same step
     gathered: int  # the all-gathered unit(s) of stage 3
     memory: int  # the GPU's memory, bytes
+    buckets: int = 0  # stage 0: PyTorch DDP's bucket copy of the gradients
 
     @property
     def total(self) -> float:
-        return self.states.total + self.activations + self.gathered
+        return self.states.total + self.activations + self.gathered + self.buckets
 
     @property
     def fits(self) -> bool:
@@ -86,7 +102,7 @@ class PlanRow:
 
 def plan(model, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
          precision: str = "bf16-mixed", optimizer: str = "adamw", prefetch: bool = True,
-         attention: str = "sdpa") -> list[PlanRow]:
+         attention: str = "sdpa", gradient_as_bucket_view: bool = False) -> list[PlanRow]:
     """Every stage x recomputation x offload for one model on N GPUs of `memory_bytes`.
 
     `model`: a preset's name, a ModelConfig, or the reader's own model: a Hugging Face
@@ -94,8 +110,9 @@ def plan(model, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
 
     `batch` is the micro-batch per rank. A row's activations are exactly
     `activation_bytes(model, batch, seq, checkpointing, attention)`; stage 3 adds
-    `gathered_bytes`. Offload rows exist where they make sense: "optimizer" from stage
-    1, "optimizer+params" at stage 3.
+    `gathered_bytes`; stage 0, run by PyTorch's DDP, adds its bucket copy of the
+    gradients unless `gradient_as_bucket_view` (`ddp_bucket_copy_bytes`). Offload rows
+    exist where they make sense: "optimizer" from stage 1, "optimizer+params" at stage 3.
     """
     cfg = as_config(model)
     memory_bytes = check_positive("memory_bytes", memory_bytes)
@@ -105,6 +122,8 @@ def plan(model, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
     rows = []
     for stage in STAGES:
         gathered = gathered_bytes(cfg, precision, prefetch) if stage == 3 else 0
+        buckets = (ddp_bucket_copy_bytes(psi, precision, gradient_as_bucket_view)
+                   if stage == 0 else 0)
         offloads = OFFLOAD[:1] if stage == 0 else OFFLOAD[:2] if stage < 3 else OFFLOAD
         for checkpointing in CHECKPOINTING:
             acts = activation_bytes(cfg, batch, seq, checkpointing, attention)
@@ -112,7 +131,7 @@ def plan(model, memory_bytes, world: int, batch: int = 1, seq: int = 4096,
                 on_gpu, host = offloaded_states(psi, world, stage, offload, precision,
                                                 optimizer)
                 rows.append(PlanRow(stage, checkpointing, offload, on_gpu, host, acts,
-                                    gathered, memory_bytes))
+                                    gathered, memory_bytes, buckets))
     return rows
 
 
@@ -178,12 +197,14 @@ def main(argv: Iterable[str] | None = None) -> int:
           f"micro-batch {args.batch} x {args.seq} tokens, {args.attention} attention "
           f"(GB; host = model states in CPU memory):")
     print(f"{'stage':<7}{'recompute':<11}{'offload':<18}{'states':>9}{'activ.':>9}"
-          f"{'gathered':>10}{'total':>9}{'host':>9}  fits")
+          f"{'gathered':>10}{'buckets':>9}{'total':>9}{'host':>9}  fits")
     for r in rows:
         print(f"{r.stage:<7}{r.checkpointing:<11}{r.offload:<18}"
               f"{r.states.total / GB:>9,.1f}{r.activations / GB:>9,.1f}"
-              f"{r.gathered / GB:>10,.2f}{r.total / GB:>9,.1f}{r.host.total / GB:>9,.1f}"
-              f"  {'yes' if r.fits else 'no'}")
+              f"{r.gathered / GB:>10,.2f}{r.buckets / GB:>9,.1f}{r.total / GB:>9,.1f}"
+              f"{r.host.total / GB:>9,.1f}  {'yes' if r.fits else 'no'}")
+    print("(buckets: PyTorch DDP's copy of the gradients in its all-reduce buckets, "
+          "gradient_as_bucket_view=False, its default)")
     print(f"\nLargest model whose states alone fit ({args.gpus} GPUs, {format_bytes(memory)}):")
     for stage in STAGES:
         print(f"  stage {stage}: {largest_model(memory, args.gpus, stage, args.precision, args.optimizer) / 1e9:,.1f}B parameters")
