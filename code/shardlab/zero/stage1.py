@@ -14,6 +14,7 @@ here, `StepReducer`; the step and the all-gather are `ZeroOptimizer`'s.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardlab.comm import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
@@ -38,13 +39,12 @@ class StepReducer:
         per bucket, straight out of the flat gradient buffer (no copy); a temporary."""
         g, flat_grad = self.groups[gi], self.flat_grads[gi]
         self._attach_grads(gi)
-        world = g.buckets[0].world
         grad = torch.empty_like(g.flat_param[:g.shard_numel])
         for b in g.buckets:
             with self.trace.span("reduce-scatter", b.index):
                 reduce_scatter_into(grad[b.in_shard], b.region(flat_grad),
                                     group=self.process_group)
-        return grad.div_(world)
+        return grad.div_(dist.get_world_size(self.process_group))
 
     @torch.no_grad()
     def zero_grad(self) -> None:
