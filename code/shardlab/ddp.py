@@ -269,25 +269,29 @@ class BucketedDataParallel(_DataParallel):
 # ----------------------------------------------------------------------------- strategies
 
 
-def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
-                   options: dict) -> Wrapped:
-    check_options("ddp-naive", options, {})
+def _wrap_ours(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               data_parallel: type[_DataParallel], *args: float) -> Wrapped:
+    """The model cast, wrapped in one of the course's data-parallel classes, and an
+    ordinary optimizer over the parameters every rank holds whole."""
     model = cast_model(model, precision)
-    ddp = NaiveDataParallel(model)
+    ddp = data_parallel(model, *args)
     opt = build_optimizer(model.parameters(), precision, optimizer)
     return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
                       clip=optimizer.clip_steps(opt, sharded=False))
+
+
+def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                   options: dict) -> Wrapped:
+    check_options("ddp-naive", options, {})
+    return _wrap_ours(model, precision, optimizer, NaiveDataParallel)
 
 
 def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
              options: dict) -> Wrapped:
     opts = check_options("ddp", options, {"bucket_mb": DEFAULT_BUCKET_MB,
                                           "first_bucket_mb": 1.0})
-    model = cast_model(model, precision)
-    ddp = BucketedDataParallel(model, float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
-    opt = build_optimizer(model.parameters(), precision, optimizer)
-    return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
-                      clip=optimizer.clip_steps(opt, sharded=False))
+    return _wrap_ours(model, precision, optimizer, BucketedDataParallel,
+                      float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
 
 
 def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
