@@ -23,6 +23,7 @@ within one bf16 ulp of the loss (2**-8 relative).
 from dataclasses import replace
 
 import pytest
+import torch
 
 import zero_workers as w
 from shardlab import memory
@@ -31,7 +32,7 @@ from shardlab.models import build_model
 from shardlab.precision import get_precision
 from shardlab.strategy import optimizer_spec
 from shardlab.train import TrainConfig
-from shardlab.zero import schedule_timeline, wrap_zero1, wrap_zero2
+from shardlab.zero import ZeroOptimizer, schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout
 STEP_COUNTER_BYTES = 4  # Adam's `step`: a 0-dim fp32 tensor per stepped tensor
@@ -68,10 +69,15 @@ def cases_for(world: int) -> list[TrainConfig]:
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
-def run(request):
+def launched(request):
     world = request.param
-    results = launch(w.parity_cases, world, cases_for(world), timeout=600)
-    return world, results
+    return world, launch(w.zero_cases, world, cases_for(world), timeout=600)
+
+
+@pytest.fixture
+def run(launched):
+    world, ranks = launched
+    return world, [r["parity"] for r in ranks]
 
 
 def key(r):
@@ -183,9 +189,29 @@ def test_ledger_moves_2_psi_per_step(run):
                 assert sum(x[2] for x in r["ledger"] if x[3] == step) == 2 * r["psi"] * 4
 
 
-def test_refuses_a_model_that_differs_across_ranks():
-    messages = launch(w.refuses_different_models, 2)
-    assert all("differs across ranks" in m and "same seed" in m for m in messages)
+def test_refuses_a_model_that_differs_across_ranks(launched):
+    assert all("differs across ranks" in r["refusal"] and "same seed" in r["refusal"]
+               for r in launched[1])
+
+
+def test_zero_optimizer_builds_the_stage_it_is_given(launched):
+    """`ZeroOptimizer(params, torch.optim.AdamW, stage=s)`, the way outside code builds
+    it, trains 5 steps like one process's AdamW on the whole batch, with the stage's
+    gradients: whole until the step (1) or reduced in backward (2)."""
+    for r in (rank["by_hand"] for rank in launched[1]):
+        assert r[1]["reducer"] == "StepReducer" and r[2]["reducer"] == "BackwardReducer"
+        for stage in (1, 2):
+            assert r[stage]["param_diff"] <= FP32_PARAM_TOL, stage
+            assert r[stage]["moved"] > 10 * FP32_PARAM_TOL, stage
+
+
+@pytest.mark.parametrize("stage", [3, 0, "1", True])
+def test_zero_optimizer_refuses_a_stage_it_does_not_have(stage):
+    # no process group exists here: the check must come before any communication
+    with pytest.raises(ValueError) as info:
+        ZeroOptimizer(build_model("toy-tied").parameters(), torch.optim.AdamW, stage=stage)
+    assert "stages 1 and 2" in str(info.value) and "zero3" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("wrap", [wrap_zero1, wrap_zero2])

@@ -7,6 +7,7 @@ process, so one launch checks many cases without paying for more process start-u
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -52,6 +53,12 @@ def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def zero_cases(cases: list[TrainConfig]) -> dict:
+    """Everything test_zero.py runs on ranks, in one launch per world size."""
+    return {"parity": parity_cases(cases), "by_hand": built_by_hand(),
+            "refusal": refuses_different_models()}
+
+
 def parity_cases(cases: list[TrainConfig]) -> list[dict]:
     """Train every case on this group; compare with the single-process reference."""
     world = dist.get_world_size()
@@ -91,3 +98,36 @@ def refuses_different_models() -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def built_by_hand(steps: int = 5) -> dict:
+    """`ZeroOptimizer(params, torch.optim.AdamW, stage=s)` as outside code builds it, in the
+    plain loop with no strategy around it, beside one process's AdamW on the whole batch:
+    each stage's largest parameter difference after `steps` steps, and the class of its
+    gradients' reducer."""
+    from shardlab.zero import ZeroOptimizer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    adamw = {"lr": 1e-3, "weight_decay": 0.1}
+    out = {}
+    for stage in (1, 2):
+        model = build_model("gpt-tiny", seed=0)
+        single = copy.deepcopy(model)
+        ours = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **adamw)
+        theirs = torch.optim.AdamW(single.parameters(), **adamw)
+        for step in range(steps):
+            x, y = get_batch(step, rank, world, 12, 16)
+            loss_fn(model(x), y).backward()
+            ours.step()
+            ours.zero_grad()
+            x, y = get_batch(step, 0, 1, 12, 16)
+            loss_fn(single(x), y).backward()
+            theirs.step()
+            theirs.zero_grad()
+        out[stage] = {
+            "reducer": type(ours.reducer).__name__,
+            "param_diff": max((p - q).abs().max().item()
+                              for p, q in zip(model.parameters(), single.parameters())),
+            "moved": max((p - q).abs().max().item() for p, q in
+                         zip(model.parameters(), build_model("gpt-tiny", seed=0).parameters())),
+        }
+    return out

@@ -42,13 +42,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from shardlab.buckets import DEFAULT_BUCKET_MB, MB, fill_in_backward_order
 from shardlab.launch import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import Precision
 from shardlab.strategy import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
                                check_options, replicated)
-
-MB = 1024 * 1024
 
 
 # ----------------------------------------------------------------------------- wrap time
@@ -171,8 +170,9 @@ class NaiveDataParallel(_DataParallel):
 # ----------------------------------------------------------------------------- bucketed
 
 
-class Bucket:
-    """A flat buffer holding the gradients of some parameters back to back."""
+class GradBucket:
+    """A flat buffer holding the gradients of some parameters back to back (PyTorch's DDP
+    hands its communication hooks the same thing, `torch.distributed.GradBucket`)."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
@@ -193,22 +193,13 @@ class Bucket:
 
 
 def make_buckets(params: list[nn.Parameter], bucket_mb: float,
-                 first_bucket_mb: float) -> list[Bucket]:
+                 first_bucket_mb: float) -> list[GradBucket]:
     """Group parameters into buckets of about `bucket_mb` MB in reverse registration
-    order, one dtype per bucket. The first bucket is smaller (`first_bucket_mb`), so the
-    first all-reduce starts early in backward, as PyTorch's DDP does."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        limit = (first_bucket_mb if not buckets else bucket_mb) * MB
-        if current and (size + p.numel() * p.element_size() > limit
-                        or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current))
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-    if current:
-        buckets.append(Bucket(current))
-    return buckets
+    order, one dtype per bucket (`shardlab.buckets`, as ZeRO's). The first bucket is
+    smaller (`first_bucket_mb`), so the first all-reduce starts early in backward, as
+    PyTorch's DDP does."""
+    return [GradBucket(members) for members in
+            fill_in_backward_order(params, bucket_mb * MB, first_bucket_mb * MB)]
 
 
 class BucketedDataParallel(_DataParallel):
@@ -219,7 +210,7 @@ class BucketedDataParallel(_DataParallel):
     so a bucket that is ready early waits for the one before it to start.
     """
 
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0,
+    def __init__(self, module: nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB,
                  first_bucket_mb: float = 1.0):
         super().__init__(module)
         self.buckets = make_buckets(self.params, bucket_mb, first_bucket_mb)
@@ -245,7 +236,7 @@ class BucketedDataParallel(_DataParallel):
                 return
             self._start(bucket)
 
-    def _start(self, bucket: Bucket) -> None:
+    def _start(self, bucket: GradBucket) -> None:
         start = time.perf_counter()
         bucket.buffer.div_(self.world)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
@@ -278,30 +269,35 @@ class BucketedDataParallel(_DataParallel):
 # ----------------------------------------------------------------------------- strategies
 
 
-def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
-                   options: dict) -> Wrapped:
-    check_options("ddp-naive", options, {})
+def _wrap_ours(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+               data_parallel: type[_DataParallel], *args: float) -> Wrapped:
+    """The model cast, wrapped in one of the course's data-parallel classes, and an
+    ordinary optimizer over the parameters every rank holds whole."""
     model = cast_model(model, precision)
-    ddp = NaiveDataParallel(model)
+    ddp = data_parallel(model, *args)
     opt = build_optimizer(model.parameters(), precision, optimizer)
     return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
                       clip=optimizer.clip_steps(opt, sharded=False))
+
+
+def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                   options: dict) -> Wrapped:
+    check_options("ddp-naive", options, {})
+    return _wrap_ours(model, precision, optimizer, NaiveDataParallel)
 
 
 def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
              options: dict) -> Wrapped:
-    opts = check_options("ddp", options, {"bucket_mb": 25.0, "first_bucket_mb": 1.0})
-    model = cast_model(model, precision)
-    ddp = BucketedDataParallel(model, float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
-    opt = build_optimizer(model.parameters(), precision, optimizer)
-    return replicated(ddp, opt, module=model, no_sync=ddp.no_sync,
-                      clip=optimizer.clip_steps(opt, sharded=False))
+    opts = check_options("ddp", options, {"bucket_mb": DEFAULT_BUCKET_MB,
+                                          "first_bucket_mb": 1.0})
+    return _wrap_ours(model, precision, optimizer, BucketedDataParallel,
+                      float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
 
 
 def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
                    options: dict) -> Wrapped:
     """PyTorch's DistributedDataParallel, with its own defaults unless told otherwise."""
-    opts = check_options("torch-ddp", options, {"bucket_mb": 25.0,
+    opts = check_options("torch-ddp", options, {"bucket_mb": DEFAULT_BUCKET_MB,
                                                 "find_unused_parameters": False,
                                                 "gradient_as_bucket_view": False})
     model = cast_model(model, precision)

@@ -1,48 +1,56 @@
-"""What ZeRO-1 and ZeRO-2 share: the flat buckets, the optimizer step on this rank's chunks,
-and the torch.optim face. The stages differ only in their gradients: see
-`shardlab.zero.stage1` and `shardlab.zero.stage2`.
+"""`ZeroOptimizer`: ZeRO-1 or ZeRO-2 around any torch.optim optimizer, as one object made
+of parts that each own their state:
 
-Why this is still the same optimizer: Adam, AdamW and SGD are elementwise, so stepping
-the chunks is the same arithmetic as stepping the parameters (hyperparameters are per
-group, which is why each group gets its own flat buffer).
+    layout.py   which elements of which parameters each bucket holds, and each rank owns
+    flat.py     the flat buffers the model's parameters are views of, and my shards
+    stage1.py   `StepReducer`: stage 1's whole gradients, reduce-scattered in step()
+    stage2.py   `BackwardReducer`: stage 2's, reduce-scattered bucket by bucket in backward
+    gather.py   `ParamAllGather`: the parameters' all-gather, plain or overlapped
+    trace.py    `StepTrace`: the schedule every part records, for the timelines
+
+The stages differ only in their gradients (the reducer); this module is the step they
+share. Why it is still the same optimizer: Adam, AdamW and SGD are elementwise, so
+stepping the chunks is the same arithmetic as stepping the parameters (hyperparameters
+are per group, which is why each group gets its own flat buffer).
 
 One step, per bucket of psi_b elements (padded), on every rank: this rank's averaged
-gradient chunk (how it got here is the stage's), the inner optimizer steps this rank's
-chunks, and the bucket's parameters are all-gathered (psi_b, `shardlab.zero.gather`).
-A parameter that gets no gradient in a step is stepped with a zero gradient (as in
-DeepSpeed): with weight decay it still decays, where torch.optim would skip it.
+gradient chunk (how it got here is the reducer's), the inner optimizer steps this rank's
+chunks, and the bucket's parameters are all-gathered (psi_b). A parameter that gets no
+gradient in a step is stepped with a zero gradient (as in DeepSpeed): with weight decay
+it still decays, where torch.optim would skip it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.buckets import DEFAULT_BUCKET_MB
 from shardlab.clip import GradClip
 from shardlab.precision import InnerOptimizerFace
-from shardlab.strategy import Piece, owned_ranges, state_of, tied_names
-from shardlab.zero.buckets import (DEFAULT_BUCKET_MB, FlatGroup, bucket_numel_for,
-                                   check_bucket_mb, check_bucket_numel, fill_buckets,
-                                   flatten_into_buckets, split_groups)
-from shardlab.zero.gather import BucketGathers
-
+from shardlab.strategy import Piece, state_of, tied_names
+from shardlab.zero.flat import FlatGroup, flatten_group
+from shardlab.zero.gather import ParamAllGather
+from shardlab.zero.layout import (Bucket, bucket_numel_for, check_bucket_mb,
+                                  check_bucket_numel, split_groups)
+from shardlab.zero.stage1 import StepReducer
+from shardlab.zero.stage2 import BackwardReducer
+from shardlab.zero.trace import StepTrace
 
 class _LazyCast(dict):
-    """(group, bucket) -> the chunk cast to its shard's dtype when read, not before."""
+    """bucket -> its chunk cast to its shard's dtype when read, not before."""
 
     def __getitem__(self, key):
         grad, shard = super().__getitem__(key)
         return grad.to(shard.dtype)
 
 
-class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
-    """ZeRO-1 or ZeRO-2 around any torch.optim optimizer class: the base of
-    `Zero1Optimizer` and `Zero2Optimizer`, which say how the gradients are sharded.
+class ZeroOptimizer(InnerOptimizerFace):
+    """ZeRO-1 (`stage=1`, the default) or ZeRO-2 (`stage=2`) around any torch.optim
+    optimizer class: `ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`.
 
     Use it like the optimizer it wraps: `loss.backward(); opt.step(); opt.zero_grad()`.
     The optimizer built inside (`.optimizer`) steps only this rank's chunks, or fp32
@@ -58,16 +66,15 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
     once per bucket (its step hooks run once per bucket).
     """
 
-    stage: int  # 1 or 2: set by the subclass
-    # Set to a list to record the schedule: (seconds, what, bucket, "start" | "end").
-    events: list | None = None
-
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
-                 *, master_weights: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 bucket_numel: int | None = None, overlap_all_gather: bool = False,
-                 module: nn.Module | None = None, process_group=None,
-                 param_order: Sequence[nn.Parameter] | None = None,
+                 *, stage: int = 1, master_weights: bool = False,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, bucket_numel: int | None = None,
+                 overlap_all_gather: bool = False, module: nn.Module | None = None,
+                 process_group=None, param_order: Sequence[nn.Parameter] | None = None,
                  clip: GradClip | None = None, **defaults: Any):
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r}; "
+                             f"stage 3 is the strategy zero3 (shardlab.zero3.wrap_zero3)")
         if bucket_numel is not None:
             check_bucket_numel(bucket_numel)
         else:
@@ -75,6 +82,7 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
         if overlap_all_gather and module is None:
             raise ValueError("overlap_all_gather needs module=the model, whose forward "
                              "waits for the all-gathers")
+        self.stage = stage
         self.master_weights = master_weights
         self.clip = clip  # on this rank's averaged gradient chunks, before the step
         if clip is not None and clip.group is None:
@@ -83,99 +91,93 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.groups: list[FlatGroup] = []
-        for gi, spec in enumerate(split_groups(params)):
-            numel = bucket_numel or bucket_numel_for(bucket_mb, spec["params"][0].element_size())
-            buckets = fill_buckets(gi, spec["params"], self.world, numel)
-            flat = flatten_into_buckets(buckets)
-            mine = [b.chunk(flat, self.rank, self.world) for b in buckets]
-            # fp32 and "bf16": step my chunks in place. bf16-mixed: fp32 copies of them.
-            shards = [m.float().clone() for m in mine] if master_weights else mine
-            g = FlatGroup({k: v for k, v in spec.items() if k != "params"}, buckets, flat,
-                          shards)
-            shard_start = 0
-            for b in buckets:
-                b.shard_start = shard_start
-                shard_start += b.chunk_numel(self.world)
-            self.allocate_grads(g, shard_start)
-            self.groups.append(g)
+        self.trace = StepTrace()
+        self.groups: list[FlatGroup] = [
+            flatten_group(gi, spec, self.world, self.rank,
+                          bucket_numel or bucket_numel_for(bucket_mb,
+                                                           spec["params"][0].element_size()),
+                          master_weights)
+            for gi, spec in enumerate(split_groups(params))]
+        # What the stages differ in: where the gradients live, when they are reduced.
+        self.reducer = (StepReducer(self.groups, process_group, self.trace) if stage == 1 else
+                        BackwardReducer(self.groups, process_group, self.trace, param_order))
         self.optimizer = optimizer_class([{**g.hyper, "params": g.shards}
                                           for g in self.groups], **defaults)
-        self.buckets_in_model_order = self.model_order(param_order)
-        self.prepare_backward(param_order)
+        self.gather = ParamAllGather(self.groups, process_group, self.trace, param_order)
         if self.overlap_all_gather:
-            self.install_forward_waits(module)
+            self.gather.wait_before_forward(module)
 
-    # ------------------------------------------------------------------ the stage's part
+    @property
+    def events(self) -> list | None:
+        """Set to a list to record the schedule: (seconds, what, bucket, "start" | "end")."""
+        return self.trace.events
 
-    def allocate_grads(self, g: FlatGroup, shard_numel: int) -> None:
-        """Give the group the gradient buffer the stage keeps between steps."""
-        raise NotImplementedError
-
-    def prepare_backward(self, param_order: Sequence[nn.Parameter] | None) -> None:
-        """Hooks the stage needs during backward (none for stage 1)."""
-
-    def sharded_grads(self, g: FlatGroup) -> torch.Tensor:
-        """This rank's chunks of the group's gradients, averaged over the ranks."""
-        raise NotImplementedError
-
-    def kept_grads(self, g: FlatGroup) -> torch.Tensor:
-        """The gradient buffer kept between steps (what `shardlab.measure` counts)."""
-        raise NotImplementedError
+    @events.setter
+    def events(self, events: list | None) -> None:
+        self.trace.events = events
 
     # ------------------------------------------------------------------ torch.optim face
 
     @torch.no_grad()
     def step(self) -> None:
-        self.wait_for_params()  # gathers a forward did not wait for (an unused module's)
+        self.gather.wait_all()  # gathers a forward did not wait for (an unused module's)
         grads = self._stepped_grads()
         if self.overlap_all_gather:
             self._step_bucket_by_bucket(grads)
             return
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
-                shard.grad = grads[(b.group, b.index)]
-        with self.traced("optimizer step"):
+                shard.grad = grads[b]
+        with self.trace.span("optimizer step"):
             self.optimizer.step()
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
                 shard.grad = None  # stage 1's reduced gradient was a temporary
                 if self.master_weights:
-                    b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
-            self.all_gather_params(g)
+                    g.my_chunk(b).copy_(shard)
+            self.gather.all_gather(g)
 
-    def _stepped_grads(self) -> dict[tuple[int, int], torch.Tensor]:
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients. The stage's gradient buffer is persistent by design: it is
+        zeroed, never freed (`set_to_none` is accepted for torch.optim's signature)."""
+        self.reducer.zero_grad()
+
+    def wait_for_params(self) -> None:
+        """Wait for the all-gathers in flight: the parameters are whole again."""
+        self.gather.wait_all()
+
+    def _stepped_grads(self) -> dict[Bucket, torch.Tensor]:
         """Each bucket's averaged gradient chunk, in the dtype its shard steps (fp32 under
-        master weights), by (group, bucket). With clipping, all of them scaled by the
-        global norm first: each element is counted once, on the rank that owns it
-        (ZeRO-1's full gradients before the reduce-scatter would count every element N
-        times), so one scalar all-reduce gives the norm. Without, each chunk is cast when
-        its bucket steps, so that bf16-mixed holds one bucket's fp32 copy at a time."""
+        master weights). With clipping, all of them scaled by the global norm first: each
+        element is counted once, on the rank that owns it (ZeRO-1's full gradients before
+        the reduce-scatter would count every element N times), so one scalar all-reduce
+        gives the norm. Without, each chunk is cast when its bucket steps, so that
+        bf16-mixed holds one bucket's fp32 copy at a time."""
         chunks = {}
-        for g in self.groups:
-            grad = self.sharded_grads(g)
+        for gi, g in enumerate(self.groups):
+            grad = self.reducer.averaged_chunks(gi)
             for b, shard in zip(g.buckets, g.shards):
-                c = b.chunk_numel(self.world)
-                chunks[(b.group, b.index)] = (grad[b.shard_start:b.shard_start + c], shard)
+                chunks[b] = (grad[b.in_shard], shard)
         if self.clip is None:
             return _LazyCast(chunks)
-        cast = {k: grad.to(shard.dtype) for k, (grad, shard) in chunks.items()}
+        cast = {b: grad.to(shard.dtype) for b, (grad, shard) in chunks.items()}
         self.clip.clip(cast.values())
         return cast
 
     def _step_bucket_by_bucket(self, grads) -> None:
         """Update one bucket's chunk, start its all-gather, go on to the next bucket while
         it travels; the next forward waits for each bucket where it is first needed."""
-        for b in self.buckets_in_model_order:
+        for b in self.gather.in_forward_order:
             g = self.groups[b.group]
             shard = g.shards[b.index]
-            shard.grad = grads[(b.group, b.index)]
-            with self.traced("optimizer step", b.index):
+            shard.grad = grads[b]
+            with self.trace.span("optimizer step", b.index):
                 self.optimizer.step()  # only the shard with a gradient moves
             shard.grad = None
             if self.master_weights:
-                b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
-            self.start_all_gather(g, b)
+                g.my_chunk(b).copy_(shard)
+            self.gather.start(b)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Everything kept between steps, by category (what shardlab.measure counts)."""
@@ -183,37 +185,33 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
                      if isinstance(t, torch.Tensor)]
         if self.master_weights:
             optimizer += [s for g in self.groups for s in g.shards]
-        grads = [self.kept_grads(g) for g in self.groups]
-        return {"params": [g.flat_param for g in self.groups], "grads": grads,
+        return {"params": [g.flat_param for g in self.groups], "grads": self.reducer.kept(),
                 "optimizer": optimizer, "buffers": []}
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
-    # ------------------------------------------------------------------ the layout
+    # ------------------------------------------------------------------ checkpoints
 
     def pieces(self, module: nn.Module) -> list[Piece]:
-        """This rank's pieces of every parameter: a bucket's chunk [r*c, (r+1)*c) holds
-        the end of one parameter and the start of the next; frozen parameters, which no
-        bucket holds, are whole on every rank."""
+        """This rank's pieces of every parameter, as the layout cuts them; frozen
+        parameters, which no bucket holds, are whole on every rank."""
         self.wait_for_params()
         names = tied_names(module)
         out = []
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
-                c = b.chunk_numel(self.world)
-                mine_start = b.start + self.rank * c
-                for p, offset in zip(b.params, b.offsets):
-                    lo = b.start + offset
-                    ranges = owned_ranges(lo, lo + p.numel(), lambda r: b.start + r * c,
-                                          self.world)
-                    mine = next(((a, z) for r, a, z in ranges if r == self.rank), None)
-                    a, z = mine or (0, 0)  # (0, 0): none of it here
-                    window = (slice(lo + a - mine_start, lo + z - mine_start) if z > a
-                              else slice(0, 0))
+                mine_start = self.rank * b.chunk_numel  # in the bucket
+                for i, p in enumerate(b.params):
+                    ranges = b.ranges(i)
+                    a, z = next(((a, z) for r, a, z in ranges if r == self.rank), (0, 0))
+                    lo = b.offsets[i]
+                    window = slice(lo + a - mine_start, lo + z - mine_start) if z > a \
+                        else slice(0, 0)   # this piece in my chunk; empty: none of it here
+                    values = g.flat_param[b.start + lo + a:b.start + lo + z] if z > a \
+                        else g.flat_param[:0]
                     out.append(Piece(
-                        names[id(p)][0], p.shape, a, z, g.flat_param[lo + a:lo + z] if z > a
-                        else g.flat_param[:0], ranges,
+                        names[id(p)][0], p.shape, a, z, values, ranges,
                         master=shard.detach()[window] if self.master_weights else None,
                         optimizer_state=state_of(self.optimizer, shard, window),
                         aliases=tuple(names[id(p)][1:])))
@@ -230,18 +228,23 @@ class ZeroOptimizer(BucketGathers, InnerOptimizerFace):
         for g in self.groups:
             if self.master_weights:
                 for b, shard in zip(g.buckets, g.shards):
-                    b.chunk(g.flat_param, self.rank, self.world).copy_(shard)
-            self.all_gather_params(g)
+                    g.my_chunk(b).copy_(shard)
+            self.gather.all_gather(g)
 
-    # ------------------------------------------------------------------ a timeline
 
-    def trace(self, what: str, bucket: int, edge: str) -> None:
-        if self.events is not None:
-            self.events.append((time.perf_counter(), what, bucket, edge))
+class Zero1Optimizer(ZeroOptimizer):
+    """ZeRO-1: `ZeroOptimizer(..., stage=1)`; gradients whole until step() reduce-scatters
+    them (`shardlab.zero.stage1`)."""
 
-    @contextlib.contextmanager
-    def traced(self, what: str, bucket: int = -1):
-        """Record the span of `what` in `events` (when it is a list), for timelines."""
-        self.trace(what, bucket, "start")
-        yield
-        self.trace(what, bucket, "end")
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                 **kwargs: Any):
+        super().__init__(params, optimizer_class, stage=1, **kwargs)
+
+
+class Zero2Optimizer(ZeroOptimizer):
+    """ZeRO-2: `ZeroOptimizer(..., stage=2)`; gradients reduce-scattered bucket by bucket
+    during backward (`shardlab.zero.stage2`)."""
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                 **kwargs: Any):
+        super().__init__(params, optimizer_class, stage=2, **kwargs)

@@ -7,61 +7,63 @@
 
 Both collectives run in `step()`, so nothing happens during backward and micro-batches
 accumulate locally for free. 2 psi logical bytes per step, as much as DDP's all-reduce.
+What a stage decides is where the gradients live and when they are reduce-scattered:
+here, `StepReducer`; the step and the all-gather are `ZeroOptimizer`'s.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardlab.comm import reduce_scatter_into
-from shardlab.zero.buckets import FlatGroup
-from shardlab.zero.optimizer import ZeroOptimizer
+from shardlab.zero.flat import FlatGroup
+from shardlab.zero.trace import StepTrace
 
 
-class Zero1Optimizer(ZeroOptimizer):
-    """ZeRO-1 (`stage = 1`): see `ZeroOptimizer` for the arguments."""
+class StepReducer:
+    """Stage 1's gradients: whole, in one flat buffer per group laid out as the
+    parameters, reduce-scattered by the step into this rank's averaged chunks."""
 
-    stage = 1
+    def __init__(self, groups: list[FlatGroup], process_group, trace: StepTrace):
+        self.groups = groups
+        self.process_group = process_group
+        self.trace = trace
+        # A persistent buffer by design, as DDP's: zeroed by zero_grad(), never freed.
+        self.flat_grads = [torch.zeros_like(g.flat_param) for g in groups]
+        for gi in range(len(groups)):
+            self._attach_grads(gi)
 
-    def allocate_grads(self, g: FlatGroup, shard_numel: int) -> None:
-        g.flat_grad = torch.zeros_like(g.flat_param)
-        self._attach_grads(g)
-
-    def sharded_grads(self, g: FlatGroup) -> torch.Tensor:
-        return self.reduce_scatter_grads(g)
-
-    def kept_grads(self, g: FlatGroup) -> torch.Tensor:
-        return g.flat_grad
+    def averaged_chunks(self, gi: int) -> torch.Tensor:
+        """My chunks of group `gi`'s gradients averaged over the ranks, one reduce-scatter
+        per bucket, straight out of the flat gradient buffer (no copy); a temporary."""
+        g, flat_grad = self.groups[gi], self.flat_grads[gi]
+        self._attach_grads(gi)
+        grad = torch.empty_like(g.flat_param[:g.shard_numel])
+        for b in g.buckets:
+            with self.trace.span("reduce-scatter", b.index):
+                reduce_scatter_into(grad[b.in_shard], b.region(flat_grad),
+                                    group=self.process_group)
+        return grad.div_(dist.get_world_size(self.process_group))
 
     @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients. The flat gradient is a persistent buffer by design: it is
-        zeroed, never freed."""
-        for g in self.groups:
-            g.flat_grad.zero_()
-            self._attach_grads(g)
+    def zero_grad(self) -> None:
+        for gi, flat_grad in enumerate(self.flat_grads):
+            flat_grad.zero_()
+            self._attach_grads(gi)
 
-    def reduce_scatter_grads(self, g: FlatGroup) -> torch.Tensor:
-        """Stage 1: my chunks of the gradients averaged over the ranks, one reduce-scatter
-        per bucket, straight out of the flat gradient buffer (no copy)."""
-        self._attach_grads(g)
-        grad = torch.empty_like(g.flat_param[:sum(b.chunk_numel(self.world)
-                                                  for b in g.buckets)])
-        for b in g.buckets:
-            c = b.chunk_numel(self.world)
-            with self.traced("reduce-scatter", b.index):
-                reduce_scatter_into(grad[b.shard_start:b.shard_start + c],
-                                    b.region(g.flat_grad), group=self.process_group)
-        return grad.div_(self.world)
+    def kept(self) -> list[torch.Tensor]:
+        """The gradients kept between steps (what `shardlab.measure` counts)."""
+        return self.flat_grads
 
-    @staticmethod
-    def _attach_grads(g: FlatGroup) -> None:
-        """Stage 1: point every .grad at its slice of the flat gradient, so autograd
-        accumulates into it in place. If something replaced a .grad (model.zero_grad(),
-        say), its value is copied back into the flat buffer first."""
-        for b in g.buckets:
+    def _attach_grads(self, gi: int) -> None:
+        """Point every .grad at its slice of the flat gradient, so autograd accumulates
+        into it in place. If something replaced a .grad (model.zero_grad(), say), its
+        value is copied back into the flat buffer first."""
+        flat_grad = self.flat_grads[gi]
+        for b in self.groups[gi].buckets:
             for p, offset in zip(b.params, b.offsets):
-                view = g.flat_grad[b.start + offset:b.start + offset + p.numel()].view_as(p)
+                view = flat_grad[b.start + offset:b.start + offset + p.numel()].view_as(p)
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view

@@ -8,7 +8,8 @@
 
 The same 2 psi logical bytes per step as ZeRO-1 and DDP; what changes is that no rank
 ever holds the whole gradient, only the buckets in flight (at most `MAX_IN_FLIGHT`) and
-its 1/N shard. Everything here runs from autograd's hooks.
+its 1/N shard. Everything here runs from autograd's hooks, in `BackwardReducer`; the step
+and the all-gather are `ZeroOptimizer`'s.
 """
 
 from __future__ import annotations
@@ -20,133 +21,131 @@ import torch
 from torch import nn
 
 from shardlab.comm import reduce_scatter_into
-from shardlab.zero.buckets import Bucket, FlatGroup
-from shardlab.zero.optimizer import ZeroOptimizer
+from shardlab.zero.flat import FlatGroup
+from shardlab.zero.layout import Bucket, in_backward_order
+from shardlab.zero.trace import StepTrace
 
 
-class Zero2Optimizer(ZeroOptimizer):
-    """ZeRO-2 (`stage = 2`): see `ZeroOptimizer` for the arguments."""
+class BackwardReducer:
+    """Stage 2's gradients: reduce-scattered bucket by bucket as backward produces them,
+    into one gradient shard per group, the only gradient a rank keeps between steps.
 
-    stage = 2
-    # Bucket reduce-scatters in flight at once during backward.
+    It owns all of it: the shards, each bucket's gradient buffer while it fills, which
+    parameters a bucket still waits for, and the reduce-scatters in flight."""
+
+    # Bucket reduce-scatters in flight at once during backward: each one keeps its
+    # bucket's full gradients until it completes.
     MAX_IN_FLIGHT = 2
 
-    def allocate_grads(self, g: FlatGroup, shard_numel: int) -> None:
-        flat = g.flat_param
-        g.grad_shard = torch.zeros(shard_numel, dtype=flat.dtype, device=flat.device)
+    def __init__(self, groups: list[FlatGroup], process_group, trace: StepTrace,
+                 param_order: Sequence[nn.Parameter] | None):
+        self.groups = groups
+        self.process_group = process_group
+        self.trace = trace
+        buckets = [b for g in groups for b in g.buckets]
+        # Reduce first the bucket whose parameters come last in the model: its gradients
+        # are complete first.
+        self.in_backward_order = in_backward_order(buckets, param_order)
+        # A persistent buffer by design: zeroed by zero_grad(), never freed.
+        self.grad_shards = [torch.zeros(g.shard_numel, dtype=g.flat_param.dtype,
+                                        device=g.flat_param.device) for g in groups]
+        self.buffers: dict[Bucket, torch.Tensor] = {}   # buckets being filled
+        self.waiting: dict[Bucket, set[int]] = {}       # their parameters without a gradient
+        self.in_flight: list[tuple[Bucket, torch.Tensor, Any]] = []   # (bucket, my chunk, work)
+        self.next_bucket = 0        # in_backward_order's next bucket to reduce
+        self.in_backward = False
+        self.to_free: list[nn.Parameter] = []
+        self._reset()
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready,
+                                                                       b, i))
 
-    def prepare_backward(self, param_order: Sequence[nn.Parameter] | None) -> None:
-        self._prepare_backward_hooks(param_order)
-
-    def sharded_grads(self, g: FlatGroup) -> torch.Tensor:
-        return g.grad_shard  # reduced during backward: the step only reads it
-
-    kept_grads = sharded_grads  # and it is all the gradient a rank keeps between steps
+    def averaged_chunks(self, gi: int) -> torch.Tensor:
+        """My chunks of group `gi`'s gradients averaged over the ranks: reduced during
+        backward, the step only reads them."""
+        return self.grad_shards[gi]
 
     @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients. The gradient shard is a persistent buffer by design: it is
-        zeroed, never freed."""
-        for g in self.groups:
-            g.grad_shard.zero_()
+    def zero_grad(self) -> None:
+        for shard in self.grad_shards:
+            shard.zero_()
+
+    def kept(self) -> list[torch.Tensor]:
+        """The gradients kept between steps (what `shardlab.measure` counts)."""
+        return self.grad_shards
 
     # ------------------------------------------------------------------ backward hooks
 
-    def _prepare_backward_hooks(self, param_order: Sequence[nn.Parameter] | None) -> None:
-        owned = [(b, i) for g in self.groups for b in g.buckets for i in range(len(b.params))]
-        order = list(param_order) if param_order is not None else \
-            [b.params[i] for b, i in owned]
-        position = {id(p): k for k, p in enumerate(order)}
-        if any(id(b.params[i]) not in position for b, i in owned):
-            raise ValueError("param_order must list every trainable parameter")
-        # Reduce first the bucket whose parameters come last in the model: its gradients
-        # are complete first. A fixed order, the same on every rank, so collectives pair up.
-        self.buckets = sorted((b for g in self.groups for b in g.buckets),
-                              key=lambda b: (-max(position[id(p)] for p in b.params),
-                                             b.group, -b.start))
-        self._next_bucket = 0
-        self._in_backward = False
-        self._to_free: list[nn.Parameter] = []
-        self._in_flight: list[tuple[Bucket, torch.Tensor, Any]] = []
-        self._reset_buckets()
-        for b, i in owned:
-            b.params[i].register_post_accumulate_grad_hook(
-                functools.partial(self._on_grad_ready, b, i))
-
-    def _reset_buckets(self) -> None:
-        self._next_bucket = 0
-        for b in self.buckets:
-            b.waiting = set(range(len(b.params)))
-            b.grad_buffer = None
+    def _reset(self) -> None:
+        self.next_bucket = 0
+        self.waiting = {b: set(range(len(b.params))) for b in self.in_backward_order}
+        self.buffers.clear()
 
     @torch.no_grad()
     def _on_grad_ready(self, b: Bucket, i: int, p: nn.Parameter) -> None:
-        if not self._in_backward:
+        if not self.in_backward:
             # Once per backward, after its last hook: reduce what is left (parameters that
             # took no part in this step count as zero gradients) and reset the buckets.
-            self._in_backward = True
+            self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         # The previous full gradient goes now, not in its own hook: hooks registered later
         # (a memory tracker's) must still find it.
         self._free_full_grads()
         self._complete_finished()
-        with self.traced("gradient into bucket", b.index):
-            if b.grad_buffer is None:
-                b.grad_buffer = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
-            b.grad_buffer[b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
-        b.waiting.discard(i)
-        self._to_free.append(p)
+        with self.trace.span("gradient into bucket", b.index):
+            if b not in self.buffers:
+                self.buffers[b] = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+            self.buffers[b][b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
+        self.waiting[b].discard(i)
+        self.to_free.append(p)
         self._reduce_ready_buckets()
 
     def _free_full_grads(self) -> None:
-        for p in self._to_free:
+        for p in self.to_free:
             p.grad = None
-        self._to_free.clear()
+        self.to_free.clear()
 
     def _reduce_ready_buckets(self, flush: bool = False) -> None:
-        while self._next_bucket < len(self.buckets):
-            b = self.buckets[self._next_bucket]
-            if b.waiting and not flush:
+        while self.next_bucket < len(self.in_backward_order):
+            b = self.in_backward_order[self.next_bucket]
+            if self.waiting[b] and not flush:
                 return  # every rank reduces in the same order: wait for this one
             self._reduce_bucket(b)
-            self._next_bucket += 1
+            self.next_bucket += 1
 
     def _reduce_bucket(self, b: Bucket) -> None:
         """Start the bucket's reduce-scatter without waiting for it: backward goes on
-        computing earlier layers meanwhile. At most MAX_IN_FLIGHT buckets are in flight,
-        since each one keeps its full gradients until it completes."""
+        computing earlier layers meanwhile."""
         g = self.groups[b.group]
-        if b.grad_buffer is None:  # no parameter of the bucket had a gradient
-            b.grad_buffer = torch.zeros_like(b.region(g.flat_param))
-        mine = torch.empty(b.chunk_numel(self.world), dtype=b.grad_buffer.dtype,
-                           device=b.grad_buffer.device)
-        self.trace("reduce-scatter", b.index, "start")
-        work = reduce_scatter_into(mine, b.grad_buffer, group=self.process_group,
-                                   async_op=True)
-        self._in_flight.append((b, mine, work))
-        while len(self._in_flight) > self.MAX_IN_FLIGHT:
+        if b not in self.buffers:  # no parameter of the bucket had a gradient
+            self.buffers[b] = torch.zeros_like(b.region(g.flat_param))
+        buffer = self.buffers[b]
+        mine = torch.empty(b.chunk_numel, dtype=buffer.dtype, device=buffer.device)
+        self.trace.mark("reduce-scatter", b.index, "start")
+        work = reduce_scatter_into(mine, buffer, group=self.process_group, async_op=True)
+        self.in_flight.append((b, mine, work))
+        while len(self.in_flight) > self.MAX_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_finished(self) -> None:
         """Take in the reduce-scatters that have already finished, without waiting."""
-        while self._in_flight and self._in_flight[0][2].is_completed():
+        while self.in_flight and self.in_flight[0][2].is_completed():
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        b, mine, work = self._in_flight.pop(0)
+        b, mine, work = self.in_flight.pop(0)
         work.wait()
-        self.trace("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
-        g, c = self.groups[b.group], b.chunk_numel(self.world)
+        self.trace.mark("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
         # add, not copy: gradient accumulation sums the micro-batches into the shard
-        g.grad_shard[b.shard_start:b.shard_start + c].add_(mine.div_(self.world))
-        b.grad_buffer = None
+        self.grad_shards[b.group][b.in_shard].add_(mine.div_(b.world))
+        del self.buffers[b]
 
     def _finish_backward(self) -> None:
         with torch.no_grad():
             self._free_full_grads()
             self._reduce_ready_buckets(flush=True)
-            while self._in_flight:
+            while self.in_flight:
                 self._complete_oldest()
-        self._in_backward = False
-        self._reset_buckets()
-
+        self.in_backward = False
+        self._reset()

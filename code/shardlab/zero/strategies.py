@@ -1,7 +1,7 @@
 """The strategies `zero1` and `zero2`: a model and an optimizer spec in, the contract out.
 
 Apart from the optimizers because a strategy is a recipe over them (check the options,
-cast the model, choose the stage's class, say how the full parameters and the checkpoint
+cast the model, build the stage's optimizer, say how the full parameters and the checkpoint
 pieces are read), the part every strategy of the course writes the same way.
 """
 
@@ -15,13 +15,13 @@ from torch import nn
 from shardlab.precision import Precision
 from shardlab.strategy import (OptimizerSpec, Wrapped, cast_model, check_options,
                                check_same_on_all_ranks, named_full_parameters)
-from shardlab.zero.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, check_bucket_numel
-from shardlab.zero.stage1 import Zero1Optimizer
-from shardlab.zero.stage2 import Zero2Optimizer
+from shardlab.buckets import DEFAULT_BUCKET_MB
+from shardlab.zero.layout import check_bucket_mb, check_bucket_numel
+from shardlab.zero.optimizer import ZeroOptimizer
 
 # Options of wrap_zero1 / wrap_zero2, with their defaults.
 ZERO_OPTIONS: dict[str, Any] = {
-    # MB (2**20 bytes) of parameters per bucket (see shardlab.zero.buckets).
+    # MB (2**20 bytes) of parameters per bucket (see shardlab.buckets).
     "bucket_mb": DEFAULT_BUCKET_MB,
     # The same size in elements instead (the earlier spelling); give one or the other.
     "bucket_numel": None,
@@ -31,8 +31,6 @@ ZERO_OPTIONS: dict[str, Any] = {
     # (a list of dicts, as for any torch.optim optimizer).
     "param_groups": None,
 }
-# The optimizer of each stage.
-STAGE_OPTIMIZERS = {1: Zero1Optimizer, 2: Zero2Optimizer}
 
 
 def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -54,8 +52,8 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     check_same_on_all_ranks(list(model.named_parameters()))
     model = cast_model(model, precision)
     params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
-    zero = STAGE_OPTIMIZERS[stage](
-        params, optimizer.cls, master_weights=precision.master_weights,
+    zero = ZeroOptimizer(
+        params, optimizer.cls, stage=stage, master_weights=precision.master_weights,
         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
         overlap_all_gather=opts["overlap_all_gather"], module=model,
         param_order=[p for p in model.parameters() if p.requires_grad],

@@ -41,15 +41,15 @@ def schedule_timeline(strategies: Sequence[str] = ("zero1", "zero2"), steps: int
         for step in range(steps + overlap_all_gather):
             x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size, seq_len))
             if step == steps:  # the next step's forward, where the gathers are waited for
-                with zero.traced("next forward"):
+                with zero.trace.span("next forward"):
                     loss = loss_fn(wrapped.model(x), y)
                 break
             zero.events = [] if step == steps - 1 else None
             dist.barrier()  # start the step together, so that waits are the schedule's
             start = time.perf_counter()
-            with zero.traced("forward"):
+            with zero.trace.span("forward"):
                 loss = loss_fn(wrapped.model(x), y)
-            with zero.traced("backward"):
+            with zero.trace.span("backward"):
                 loss.backward()
             zero.step()
             zero.zero_grad()
