@@ -90,12 +90,16 @@ def test_a_failing_case_is_recorded_and_the_cases_after_it_still_run(dry_run):
 
 
 def test_pytest_cuda_gives_each_test_its_outcome(dry_run):
-    record, _, _ = dry_run
+    record, _, out = dry_run
     result = item(record, "pytest_cuda")
     assert result["returncode"] == 0 and len(result["outcomes"]) == 6
     for name, outcome in result["outcomes"].items():
         assert outcome["outcome"] == "skipped" and "no CUDA GPU here" in outcome["message"]
-    assert result["counts"] == {"skipped": 6}
+    assert result["counts"] == {"skipped": 6} and result["outcomes_from"] == "junit xml"
+    # stopped before pytest writes its XML, the check reads its -v lines instead
+    log = out.with_suffix(".log").read_text()
+    assert {n: o["outcome"] for n, o in gpu_check_items.parse_verbose(log).items()} == \
+        {n: o["outcome"] for n, o in result["outcomes"].items()}
 
 
 def test_the_memory_experiment_puts_the_planner_beside_each_peak(dry_run):
@@ -172,15 +176,21 @@ def test_the_committed_record_is_a_gpu_run():
 def test_an_item_that_fails_or_no_longer_fits_is_recorded_and_the_next_runs(tmp_path,
                                                                             monkeypatch):
     monkeypatch.setattr(gpu_check, "ITEMS", [
-        gpu_check.Item("no-such-item", 30, 30), gpu_check.Item("env", 60, 60),
-        gpu_check.Item("late", 30, 30, least=1e6)])
+        gpu_check.Item("no-such-item", 30, 30), gpu_check.Item("late", 30, 30, least=1e6),
+        gpu_check.Item("env", 60, 60)])
     out = tmp_path / "check.json"
-    record = gpu_check.run_check(out, 120, True, ["no-such-item", "env", "late"])
+    record = gpu_check.run_check(out, 120, True, ["no-such-item", "late"])
     assert json.loads(out.read_text()) == record
-    failed, env, late = (record["items"][n] for n in ("no-such-item", "env", "late"))
+    failed, late = (record["items"][n] for n in ("no-such-item", "late"))
     assert failed["status"] == "failed" and failed["error"] == "KeyError: 'no-such-item'"
-    assert env["status"] == "ok" and record["device"]["torch"] == torch.__version__
     assert late["status"] == "skipped: out of time"
+    # run one item again into the same file: the others' results stay
+    again = gpu_check.run_check(out, 120, True, ["env"], merge=True)
+    assert again["items"]["env"]["status"] == "ok"
+    assert again["device"]["torch"] == torch.__version__
+    assert again["items"]["no-such-item"] == failed and again["reruns"][0]["items"] == ["env"]
+    with pytest.raises(SystemExit, match="holds a dry run"):
+        gpu_check.run_check(out, 120, False, ["env"], merge=True)
 
 
 def test_a_command_past_its_time_is_stopped_with_what_it_started(tmp_path):

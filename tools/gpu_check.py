@@ -121,18 +121,32 @@ def run_item(item: Item, timeout: float, dry_run: bool, log: Path) -> dict:
     return entry
 
 
-def run_check(out: Path, budget: float, dry_run: bool, names: list[str]) -> dict:
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_check(out: Path, budget: float, dry_run: bool, names: list[str],
+              merge: bool = False) -> dict:
+    """Run the items `names`, in ITEMS' order, into the record at `out`. `merge`: keep
+    the record already there and run these items again into it (their log appended)."""
     start = time.time()
     # an item may overrun its limit by GRACE, and stopping it takes seconds more: the
     # last item's limit ends that much before the budget does
     deadline = start + budget - GRACE - 10
     log = out.with_suffix(".log")
-    log.write_text("")
-    record = {"format": 1, "dry_run": dry_run,
-              "command": " ".join(["python", "tools/gpu_check.py", *sys.argv[1:]]),
-              "started": datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), "finished": None, "budget_seconds": budget,
-              "device": {}, "items": {name: {"status": "pending"} for name in names}}
+    command = " ".join(["python", "tools/gpu_check.py", *sys.argv[1:]])
+    if merge and out.exists():
+        record = json.loads(out.read_text())
+        if record.get("dry_run") != dry_run:
+            raise SystemExit(f"{out} holds a {'dry' if record.get('dry_run') else 'GPU'} "
+                             f"run: give another --out to keep both")
+        record.setdefault("reruns", []).append({"items": names, "started": now_utc(),
+                                                "command": command})
+    else:
+        log.write_text("")
+        record = {"format": 1, "dry_run": dry_run, "command": command, "started": now_utc(),
+                  "finished": None, "budget_seconds": budget, "device": {}, "items": {}}
+    record["items"].update({name: {"status": "pending"} for name in names})
     write_json(out, record)
     chosen = [i for i in ITEMS if i.name in names]
     for n, item in enumerate(chosen):
@@ -152,8 +166,7 @@ def run_check(out: Path, budget: float, dry_run: bool, names: list[str]) -> dict
         write_json(out, record)
         print(f"[gpu-check] {item.name}: {entry['status']} ({entry['seconds']} s)"
               + (f": {entry['error']}" if entry.get("error") else ""), flush=True)
-    record["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")
+    record["finished"] = now_utc()
     write_json(out, record)
     return record
 
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=BUDGET,
                    help=f"seconds for the whole check (default {BUDGET:.0f})")
     p.add_argument("--items", nargs="+", choices=[i.name for i in ITEMS],
-                   default=[i.name for i in ITEMS], help="run only these items")
+                   help="run only these items, into the results file if it is there "
+                        "(the other items' results are kept)")
     p.add_argument("--item", help=argparse.SUPPRESS)
     p.add_argument("--item-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -205,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                        if args.dry_run else COURSE_RECORD)
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = run_check(out, args.budget, args.dry_run, args.items)
+    record = run_check(out, args.budget, args.dry_run,
+                       args.items or [i.name for i in ITEMS], merge=bool(args.items))
     failed = [n for n, e in record["items"].items() if e["status"] != "ok"]
     print(f"[gpu-check] {len(record['items']) - len(failed)} of {len(record['items'])} items "
           f"ok" + (f"; not ok: {', '.join(failed)}" if failed else ""))

@@ -66,7 +66,7 @@ class Sizes:
 
 
 GPU = Sizes("cuda", "gpt-small", 3, 8, 64, (1, 4), None, ("fp32", "bf16-mixed"), False,
-            MemoryExperiment(), 4, 8192, 64 * 2**20, 5, (1, 4), 3, 6)
+            MemoryExperiment(), 3, 8192, 64 * 2**20, 5, (1, 4), 3, 6)
 # The dry run: the smallest of everything, two strategies where the GPU runs them all,
 # and a rehearsed failure
 DRY = Sizes("cpu", "gpt-tiny", 2, 4, 16, (1, 2), ("single", "ddp"), ("fp32", "bf16-mixed"),
@@ -111,7 +111,8 @@ def env(sizes: Sizes, deadline: float, save: Save) -> dict:
                     capability=f"{props.major}.{props.minor}",
                     multiprocessors=props.multi_processor_count)
         try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            nccl = torch.cuda.nccl.version()  # a tuple; an int in older torch
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         except Exception:  # noqa: BLE001 - a build without NCCL
             pass
     else:

@@ -184,7 +184,8 @@ def overlap(sizes, deadline: float, save: Callable[[Any], None]) -> dict:
         result["inside_the_gpu"] = {"skipped": "needs CUDA streams"}
         return result
     device = torch.device("cuda")
-    src = torch.randn(sizes.overlap_bytes // 2, device=device, dtype=torch.bfloat16)
+    # bf16 buffers 8 x the collective's bytes: one copy of it is not a mere launch
+    src = torch.randn(8 * sizes.overlap_bytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     side = torch.cuda.Stream()
     result["inside_the_gpu"] = {"bytes_read": src.numel() * 2}
