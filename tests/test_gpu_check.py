@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardlab import gpu_record
+from shardlab.memory import get_model
 from shardlab.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,6 +164,18 @@ def test_the_course_reads_a_record_and_says_so_without_one(dry_run, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a GPU check's JSON"):
         gpu_record.load_record(tmp_path / "bad.json")
+
+
+def test_the_memory_experiment_is_gpt2_small_as_the_planner_counts_it():
+    exp = gpu_check_items.GPU.memory
+    with torch.device("meta"):  # shapes only
+        model = build_model(exp.model, config=exp.model_config)
+    psi = sum(p.numel() for p in model.parameters())
+    assert psi == exp.planner_model().num_params() == get_model("gpt2-small").num_params()
+    # the planner's largest micro-batch under the cap is the one that still fits it
+    rows = exp.predicted_largest_batch()
+    assert exp.predicted(0, False, rows).total <= exp.oom_cap_bytes \
+        < exp.predicted(0, False, rows + 1).total
 
 
 def test_the_committed_record_is_a_gpu_run():

@@ -117,10 +117,12 @@ def env(sizes: Sizes, deadline: float, save: Save) -> dict:
             pass
     else:
         info["name"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True, check=False) if (ROOT / ".git").exists() else None
-    if git is not None and git.returncode == 0:
-        info["commit"] = git.stdout.strip()
+    try:  # a plain copy of the repository may have no .git, a machine no git
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=False, timeout=10)
+        info["commit"] = git.stdout.strip() if git.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
     return info
 
 
@@ -257,7 +259,7 @@ def _oom_attempt(sizes: Sizes, rows: int, deadline: float) -> dict:
     [outcome] = launch_cases([config], exp.world, sizes.device, deadline, fraction)
     ranks, error = outcome.get("ranks"), outcome.get("error")
     if not ranks:  # on a GPU the allocator raises; any other error ends the search
-        fits = False if error and "out of memory" in error.lower() else None
+        fits = False if outcome.get("out_of_memory") else None
     else:  # a CPU has nothing to run out of: where the watch saw the step cross the cap
         crossed = [r["memory_limit_crossing"] for r in ranks if r["memory_limit_crossing"]]
         fits, error = not crossed, (crossed[0] if crossed else None)

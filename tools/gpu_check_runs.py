@@ -112,13 +112,15 @@ def launch_cases(configs: list[TrainConfig], world: int, device: str, deadline: 
             for i in pending:
                 outcomes[i] = {"status": "skipped: out of time", "error": None}
             break
-        error = None
+        error, out_of_memory = None, False
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             try:
                 launch(run_cases, world, [(i, configs[i]) for i in pending], tmp,
                        memory_fraction, backend=backend, device=device, timeout=left)
             except Exception as exc:  # noqa: BLE001 - recorded, and the rest goes on
                 error = error_line(exc)
+                # anywhere in the traceback: the allocator's message is long
+                out_of_memory = "OutOfMemoryError" in getattr(exc, "rank_traceback", "")
             started, finished = _read_progress(Path(tmp), world)
         for i in pending:
             if len(finished.get(i, {})) == world:
@@ -131,7 +133,8 @@ def launch_cases(configs: list[TrainConfig], world: int, device: str, deadline: 
             for i in rest:
                 outcomes[i] = {"status": "failed", "error": f"launch failed: {error}"}
             break
-        outcomes[rest[0]] = {"status": "failed", "error": error}
+        outcomes[rest[0]] = {"status": "failed", "error": error,
+                             "out_of_memory": out_of_memory}
         pending = rest[1:]
     return outcomes  # type: ignore[return-value]
 

@@ -10,8 +10,9 @@ never shown as a GPU's.
 The memory experiment is described here, as plain data, because three places run or read
 it: the check records it, chapter 8 shows the record or runs it live on a GPU, and the
 check's dry run on a CPU runs it small. `MemoryExperiment.runs()` are the runs,
-`memory_result` turns their reports into what the record holds (each peak beside the
-planner's prediction, `shardlab.memory.plan`), and `memory_rows` into a table.
+`memory_run` turns each one's rank summaries (`rank_summary`) into what the record holds
+(each peak beside the planner's prediction, `shardlab.memory.plan`), and `memory_rows`
+into a table. The other `*_rows` build the tables of chapter 9's GPU section.
 """
 
 from __future__ import annotations
