@@ -73,7 +73,7 @@ DRY = Sizes("cpu", "gpt-tiny", 2, 4, 16, (1, 2), ("single", "ddp"), ("fp32", "bf
             True, MemoryExperiment(model="gpt-tiny", model_config=None, world=2, batch_size=4,
                                    seq_len=32, steps=2, strategies=(("ddp", 0), ("zero3", 3)),
                                    oom_cap_bytes=int(3.5 * 2**20)),
-            3, 128, 2**18, 2, (2,), 2, 3)
+            2, 128, 2**18, 2, (2,), 2, 3)
 
 # ours -> PyTorch's implementation of the same idea (benchmarks/bench_strategies.py's)
 REFERENCES = {"ddp": "torch-ddp", "ddp-naive": "torch-ddp", "zero1": "torch-zero1",
