@@ -37,7 +37,7 @@ LAYERS = {
         "zero.stage1", "zero.stage2", "zero.strategies", "zero.torch_ref", "zero.timeline",
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
-    4: {"viz", "report",
+    4: {"viz", "report", "gpu_record",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
