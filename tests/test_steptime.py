@@ -228,19 +228,13 @@ def test_model_flops_count_six_psi_and_optionally_palms_attention_term():
         model_flops_per_token(-1)
 
 
-def test_a_gpu_machine_takes_hiding_explicitly_or_from_the_gpu_check(tmp_path):
+def test_a_gpu_machine_takes_hiding_explicitly():
     """No default says a GPU hides everything: unmeasured is refused in one line."""
     from shardlab.steptime import gpu_machine
-    missing = tmp_path / "gpu-check.json"
     with pytest.raises(ValueError, match="hiding on a GPU is unmeasured"):
-        gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
-    assert gpu_machine(1e15, 5e-6, 4.5e11, hiding=0.7).hiding == 0.7
-    missing.write_text('{"hiding": 0.62, "device": "one H100"}')
-    machine = gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
-    assert (machine.hiding, machine.gloo) == (0.62, False)
-    missing.write_text('{"device": "one H100"}')
-    with pytest.raises(ValueError, match="no number under 'hiding'"):
-        gpu_machine(1e15, 5e-6, 4.5e11, check=missing)
+        gpu_machine(1e15, 5e-6, 4.5e11, hiding=None)
+    machine = gpu_machine(1e15, 5e-6, 4.5e11, hiding=0.7)
+    assert (machine.hiding, machine.gloo) == (0.7, False)
     with pytest.raises(TypeError):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0)  # hiding has no default
 

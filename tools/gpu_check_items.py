@@ -37,7 +37,7 @@ from shardlab.deepspeed_ref.setup import deepspeed_missing
 from shardlab.gpu_record import MemoryExperiment, datasheet_bf16_peak, memory_run
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.steptime import compute_rate, matmul_rate
-from shardlab.strategy import STRATEGIES
+from shardlab.cards import CARDS, DEEPSPEED, card
 from shardlab.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,10 +75,8 @@ DRY = Sizes("cpu", "gpt-tiny", 2, 4, 16, (1, 2), ("single", "ddp"), ("fp32", "bf
                                    oom_cap_bytes=int(3.5 * 2**20)),
             2, 128, 2**18, 2, (2,), 2, 3)
 
-# ours -> PyTorch's implementation of the same idea (benchmarks/bench_strategies.py's)
-REFERENCES = {"ddp": "torch-ddp", "ddp-naive": "torch-ddp", "zero1": "torch-zero1",
-              "zero2": "torch-fsdp2", "zero3": "torch-fsdp2", "fsdp2": "torch-fsdp2",
-              "hsdp": "torch-hsdp"}
+# ours -> PyTorch's implementation of the same idea, as each strategy's card names it
+REFERENCES = {name: c.reference for name, c in CARDS.items() if c.reference}
 
 
 def _shares(deadline: float, parts: int) -> Callable[[int], float]:
@@ -166,9 +164,9 @@ def matmul(sizes: Sizes, deadline: float, save: Save) -> dict:
 
 def strategy_names(sizes: Sizes) -> tuple[list[str], dict[str, str]]:
     """The strategies to run, and those not run with why (DeepSpeed may be absent)."""
-    wanted = list(STRATEGIES) if sizes.strategies is None else list(sizes.strategies)
+    wanted = list(CARDS) if sizes.strategies is None else list(sizes.strategies)
     missing = deepspeed_missing()
-    not_run = {s: missing for s in wanted if s.startswith("deepspeed-") and missing}
+    not_run = {s: missing for s in wanted if card(s).family == DEEPSPEED and missing}
     return [s for s in wanted if s not in not_run], not_run
 
 
@@ -339,7 +337,9 @@ def step_ratios(sizes: Sizes, deadline: float, save: Save) -> dict:
     share = _shares(deadline, len(sizes.ratio_worlds))
     for part, world in enumerate(sizes.ratio_worlds):
         pairs = {ours: ref for ours, ref in REFERENCES.items()
-                 if ours in names and ref in STRATEGIES and not (ours == "hsdp" and world < 2)}
+                 if ours in names and ref in CARDS
+                 # HSDP (groups that label their own links) needs replicas: 2 ranks or more
+                 and not (card(ours).labels_own_links and world < 2)}
         order = list(dict.fromkeys([*pairs, *pairs.values()]))
         runs = [name for rep in range(sizes.ratio_reps)
                 for name in (order if rep % 2 == 0 else order[::-1])]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardlab.cards import card
 from shardlab.gpu_record import rank_summary
 from shardlab.launch import RankFailed, launch, rank_device
 from shardlab.train import TrainConfig, train_worker
@@ -36,7 +37,7 @@ def placement(world: int, device: str) -> str:
 
 
 def options_for(strategy: str, world: int) -> dict:
-    if strategy in ("hsdp", "torch-hsdp"):  # replicas of shard groups of 2 (1 on one rank)
+    if card(strategy).labels_own_links:  # HSDP: replicas of shard groups of 2 (1 on one rank)
         return {"shard_group": 2 if world % 2 == 0 else 1}
     return {}
 

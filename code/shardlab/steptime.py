@@ -23,8 +23,8 @@ variables NCCL_MIN_CTAS / NCCL_MAX_CTAS and `ncclConfig_t`'s minCTAs / maxCTAs, 
 torch exposes as `ProcessGroupNCCL.NCCLConfig.min_ctas` / `max_ctas` in
 `torch/_C/_distributed_c10d.pyi`). A separate stream lets them run at the same time as
 compute, not for nothing: how much of them comes back as slower matmuls is unknown until a
-GPU run measures it. `gpu_machine` therefore takes `hiding` explicitly, or reads the GPU
-check's measurement (`GPU_CHECK`), and refuses to guess.
+GPU run measures it. `gpu_machine` therefore takes `hiding` explicitly, and refuses to
+guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
@@ -40,12 +40,10 @@ second over a GPU's *datasheet* peak (`datasheet_peak`), is what `shardlab.repor
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -81,31 +79,19 @@ class Machine:
                              f"adam_seconds >= 0 and 0 <= hiding <= 1, got {self}")
 
 
-# The GPU check's results, where a GPU run records what a CPU cannot measure (the share of
-# NCCL's overlapped communication that compute hides): a JSON object with "hiding" in it.
-GPU_CHECK = Path(__file__).resolve().parents[2] / "labs" / "data" / "gpu-check.json"
-
-
-def gpu_machine(flops: float, alpha: float, beta: float, adam_seconds: float = 0.0,
-                hiding: float | None = None, check: str | Path | None = None) -> Machine:
+def gpu_machine(flops: float, alpha: float, beta: float, *, hiding: float | None,
+                adam_seconds: float = 0.0) -> Machine:
     """A `Machine` for NCCL on GPUs (its own algorithms: `gloo=False`).
 
     `hiding` on a GPU is unmeasured until a GPU run records it: NCCL's kernels take SMs and
     memory bandwidth from the matmuls they overlap (see the module's docstring), so it is
-    below 1 by an amount no datasheet gives. Pass it (an assumption the text must state as
-    one, e.g. 1.0 for the optimistic bound), or leave it None to read it from the GPU
-    check's file (`check`, by default `GPU_CHECK`). Neither: a ValueError saying so."""
+    below 1 by an amount no datasheet gives. The caller passes it and says where it comes
+    from: what `tools/gpu_check.py` recorded (`shardlab.gpu_record`), or an assumption the
+    text states as one (1.0 is the bound where overlap is free). None is refused."""
     if hiding is None:
-        path = Path(check) if check is not None else GPU_CHECK
-        if not path.is_file():
-            raise ValueError(f"hiding on a GPU is unmeasured: {path} does not exist (the GPU "
-                             f"check writes it). Pass hiding=... explicitly and state it "
-                             f"as an assumption (1.0 is the bound where overlap is free)")
-        try:
-            hiding = float(json.loads(path.read_text())["hiding"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path} holds no number under 'hiding' ({exc}); the GPU check "
-                             f"writes {{\"hiding\": <0..1>, ...}}") from None
+        raise ValueError("hiding on a GPU is unmeasured: pass the value the GPU check "
+                         "recorded (shardlab.gpu_record), or an assumption stated as one "
+                         "(hiding=1.0 is the bound where overlapped communication is free)")
     return Machine(flops=flops, alpha=alpha, beta=beta, adam_seconds=adam_seconds,
                    hiding=hiding, gloo=False)
 
