@@ -25,7 +25,7 @@ LAYERS = {
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "hangs", "clip", "optimizers"},
-    2: {"strategy"},
+    2: {"strategy", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
         "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",

@@ -198,20 +198,8 @@ class TrainConfig:
         marker before any process starts; refuse a resume with nothing left to train."""
         if not self.resume:
             return 0
-        for root in checkpoint_roots(self):
-            checkpoint.clean_interrupted(root)
-        if self.resume is True:
-            # the one process that speaks: the launching one (under torchrun, rank 0's)
-            say = print if os.environ.get("RANK", "0") == "0" else None
-            folder = checkpoint.latest(self.checkpoint_dir, say=say)
-            if folder is None:
-                raise ValueError(f"no complete checkpoint that verifies in "
-                                 f"{self.checkpoint_dir}: train with save_every first, or "
-                                 f"resume=False")
-        else:
-            folder = Path(self.resume)
-            if not folder.is_dir():
-                raise ValueError(f"no checkpoint folder {folder}")
+        # the one process that speaks: the launching one (under torchrun, rank 0's)
+        folder = resume_folder(self, say=print if os.environ.get("RANK", "0") == "0" else None)
         if not checkpoint.is_complete(folder):
             if not self.trust_checkpoint:  # the ranks' load would refuse it, later
                 raise ValueError(f"{folder} is not a complete shardlab checkpoint (no "
@@ -235,6 +223,28 @@ class TrainConfig:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
                              f"{step}; ask for steps > {step}")
         return step
+
+
+def resume_folder(config: TrainConfig, say=None) -> Path | None:
+    """The checkpoint folder `config.resume` names (None without resume): the newest
+    complete one that verifies in `checkpoint_dir` (resume=True; `say` is told which newer
+    ones were skipped), or the folder given. What interrupted saves left in the run's
+    folders is removed first. Both the launching process (`check_resume`) and the ranks
+    (their load) find it here."""
+    if not config.resume:
+        return None
+    for root in checkpoint_roots(config):
+        checkpoint.clean_interrupted(root)
+    if config.resume is not True:
+        folder = Path(config.resume)
+        if not folder.is_dir():
+            raise ValueError(f"no checkpoint folder {folder}")
+        return folder
+    folder = checkpoint.latest(config.checkpoint_dir, say=say)
+    if folder is None:
+        raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
+                         f"train with save_every first, or resume=False")
+    return folder
 
 
 def checkpoint_roots(config: TrainConfig) -> list[Path]:
