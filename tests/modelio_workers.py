@@ -6,10 +6,10 @@ import torch
 
 from shardlab import checkpoint
 from shardlab.launch import rank_device
-from shardlab.measure import state_bytes
 from shardlab.modelio import wrap_on_meta
-from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.models import build_model, get_batch
 from shardlab.precision import get_precision
+from shardlab.step import HeldAfterStep, train_step
 from shardlab.strategy import named_full_parameters, optimizer_spec
 
 SEED = 3  # the weights written to the folders; a build with any other seed differs
@@ -35,10 +35,9 @@ def meta_cases(cases: list[dict], train: dict) -> dict:
         held = None
         if case.get("measure"):  # one step, then the bytes this rank holds
             x, y = (t.to(device) for t in get_batch(0, rank, world, 4, 16))
-            loss_fn(wrapped.model(x), y).backward()
-            wrapped.optimizer.step()
-            held = state_bytes(*wrapped.holders())
-            wrapped.optimizer.zero_grad()
+            states = HeldAfterStep(wrapped)
+            train_step(wrapped, [(x, y)], watch=states)
+            held = states.held
         results.append({"state_bytes": held,
             "params": [n for n, p in reference.named_parameters()
                        if not torch.equal(full[n].cpu(), p)],
@@ -50,11 +49,7 @@ def meta_cases(cases: list[dict], train: dict) -> dict:
     losses = []
     for step in range(train["steps"]):
         x, y = (t.to(device) for t in get_batch(step, rank, world, 4, 16))
-        loss = loss_fn(wrapped.model(x), y)
-        loss.backward()
-        wrapped.optimizer.step()
-        wrapped.optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(wrapped, [(x, y)]).item())
     checkpoint.save(train["checkpoint_dir"], train["steps"], wrapped,
                     {"model": train["model"], "model_config": None, "precision": "fp32",
                      "optimizer": "adamw"})

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import get_precision
-from shardlab.strategy import OptimizerSpec, get_strategy
+from shardlab.step import NOTHING, HeldAfterStep, train_step
+from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -26,17 +27,10 @@ def train_steps(wrapped, rank, world, steps, batch_size=12, seq_len=16, grad_acc
     """The ordinary loop; returns the global-batch loss per step (and the parameters)."""
     losses, params = [], []
     for step in range(steps):
-        total = 0.0
-        for micro in range(grad_accum):
-            x, y = get_batch(step, rank, world, batch_size, seq_len, micro=micro,
-                             micro_steps=grad_accum)
-            ctx = wrapped.no_sync() if micro < grad_accum - 1 else _null()
-            with ctx:
-                loss = loss_fn(wrapped.model(x), y) / grad_accum
-                loss.backward()
-            total += loss.detach().float()
-        wrapped.optimizer.step()
-        wrapped.optimizer.zero_grad()
+        micro_batches = [get_batch(step, rank, world, batch_size, seq_len, micro=micro,
+                                   micro_steps=grad_accum) for micro in range(grad_accum)]
+        total = train_step(wrapped, micro_batches,
+                           lambda output, y: loss_fn(output, y) / grad_accum)
         if world > 1:
             dist.all_reduce(total)
             total /= world
@@ -44,14 +38,6 @@ def train_steps(wrapped, rank, world, steps, batch_size=12, seq_len=16, grad_acc
         if keep_params:
             params.append({k: v.float() for k, v in wrapped.full_parameters().items()})
     return losses, params
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def parity_cases(cases: list[dict], steps: int = 10, batch_size: int = 12) -> list[dict]:
@@ -98,7 +84,7 @@ def bytes_cases(cases: list[dict], steps: int = 3) -> list[dict]:
     by category after the last step, the peak of one step, and the sizes that predict
     them (Ψ with and without padding, the largest unit)."""
     from shardlab.comm import Ledger
-    from shardlab.measure import state_bytes, track_peak
+    from shardlab.measure import track_peak
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
@@ -112,15 +98,13 @@ def bytes_cases(cases: list[dict], steps: int = 3) -> list[dict]:
         units = wrapped.extra_state[0].units
         padded_psi = sum(u.world * u.shard_numel for u in units)
         per_step = []
+        states = HeldAfterStep(wrapped)  # what a rank holds at its fullest between steps
         with Ledger() as ledger:
             for step in range(steps):
-                x, y = get_batch(step, rank, world, 12, 16)
-                loss_fn(wrapped.model(x), y).backward()
-                wrapped.optimizer.step()
-                if step == steps - 1:  # what a rank holds at its fullest between steps
-                    held = state_bytes(*wrapped.holders())
-                wrapped.optimizer.zero_grad()
+                train_step(wrapped, [get_batch(step, rank, world, 12, 16)],
+                           watch=states if step == steps - 1 else NOTHING)
                 ledger.mark_step()
+        held = states.held
         for step in range(steps):
             by_op: dict[str, int] = {}
             for r in ledger.records:
@@ -129,9 +113,7 @@ def bytes_cases(cases: list[dict], steps: int = 3) -> list[dict]:
             per_step.append(by_op)
         x, y = get_batch(steps, rank, world, 12, 16)
         with track_peak(*wrapped.holders()) as peak:
-            loss_fn(wrapped.model(x), y).backward()
-            wrapped.optimizer.step()
-            wrapped.optimizer.zero_grad()
+            train_step(wrapped, [(x, y)])
         n_opt_params = sum(len(g["params"]) for g in wrapped.optimizer.param_groups)
         out.append({
             "case": case, "psi": psi, "padded_psi": padded_psi, "per_step": per_step,
@@ -193,12 +175,9 @@ def helper_checks() -> dict:
            "shard_shapes_ok": all(
                tuple(p.shape) == (-(-full_shapes[n][0] // world), *full_shapes[n][1:])
                for n, p in model.named_parameters())}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain = Wrapped(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     for step in range(2):
-        x, y = get_batch(step, rank, world, 12, 16)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(plain, [get_batch(step, rank, world, 12, 16)])
     trained = gather_full_parameters(model)
     on_rank0 = gather_full_parameters(model, rank0_only=True)
     out["rank0_only"] = (all(torch.equal(on_rank0[k], trained[k]) for k in trained)

@@ -29,7 +29,7 @@ LAYERS = {
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
         "clip", "optimizers", "buckets"},
-    2: {"strategy", "cards"},
+    2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
         "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",
@@ -41,7 +41,7 @@ LAYERS = {
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "train", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "demo", "cli", "__main__", "hang_runs"},
 }
 
 

@@ -1,6 +1,7 @@
 """The training loop, its report, its refusals and its command line (launcher and
 torchrun)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -83,6 +84,57 @@ def test_gradient_accumulation_matches_the_whole_batch_at_once():
     assert max(abs(a - b) for a, b in zip(whole.losses, accumulated.losses)) < 1e-5
     assert max((whole.params[k] - accumulated.params[k]).abs().max().item()
                for k in whole.params) < 1e-4
+
+
+def test_train_step_is_the_four_lines_over_the_micro_batches():
+    """One step over 3 micro-batches: the same parameters as the four lines written out,
+    bit for bit; every micro-batch but the last under no_sync; the watch's points in
+    order, the states counted before zero_grad frees the gradients."""
+    import copy
+
+    from shardlab.models import get_batch, loss_fn
+    from shardlab.step import HeldAfterStep, train_step
+    from shardlab.strategy import Wrapped
+
+    model = build_model("gpt-tiny")
+    by_hand = copy.deepcopy(model)
+    batches = [get_batch(0, 0, 1, 6, 16, micro=m, micro_steps=3) for m in range(3)]
+    synced = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        synced.append(False)
+        yield
+
+    class Seen(HeldAfterStep):
+        def __init__(self, wrapped):
+            super().__init__(wrapped)
+            self.points = []
+
+        def phase(self, what):
+            self.points.append(what)
+            return contextlib.nullcontext()
+
+        def next_forward(self):
+            self.points.append("next forward")
+
+    wrapped = Wrapped(model, torch.optim.AdamW(model.parameters(), lr=1e-2), no_sync=no_sync)
+    seen = Seen(wrapped)
+    loss = train_step(wrapped, batches, lambda out, y: loss_fn(out, y) / 3, seen)
+    optimizer, total = torch.optim.AdamW(by_hand.parameters(), lr=1e-2), 0.0
+    for x, y in batches:
+        micro_loss = loss_fn(by_hand(x), y) / 3
+        micro_loss.backward()
+        total += micro_loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), by_hand.parameters()))
+    assert loss.item() == pytest.approx(total, rel=1e-6) and not loss.requires_grad
+    assert synced == [False, False]  # the third, last micro-batch reduces the gradients
+    assert seen.points == ["forward", "backward", "next forward"] * 2 + [
+        "forward", "backward", "optimizer step"]
+    assert seen.held["grads"] == seen.held["params"] > 0  # fp32: one gradient per weight
+    assert all(p.grad is None for p in model.parameters())  # zero_grad came after
 
 
 def test_bf16_mixed_holds_16_bytes_per_parameter():

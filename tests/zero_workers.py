@@ -16,7 +16,8 @@ from torch import nn
 
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.precision import MasterWeightOptimizer, get_precision
-from shardlab.strategy import cast_model, optimizer_spec
+from shardlab.step import train_step
+from shardlab.strategy import Wrapped, cast_model, optimizer_spec
 from shardlab.train import TrainConfig, train_worker
 
 
@@ -38,18 +39,12 @@ def reference(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
     optimizer = (MasterWeightOptimizer(params, spec.cls, **spec.kwargs)
                  if precision.master_weights else spec.build(params))
-    losses = []
+    plain, accum, losses = Wrapped(model, optimizer), config.grad_accum, []
     for step in range(config.steps):
-        total = 0.0
-        for micro in range(config.grad_accum):
-            x, y = get_batch(step, 0, 1, config.batch_size, config.seq_len, config.seed,
-                             micro, config.grad_accum)
-            loss = loss_fn(model(x), y) / config.grad_accum
-            loss.backward()
-            total += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+        micro_batches = [get_batch(step, 0, 1, config.batch_size, config.seq_len,
+                                   config.seed, micro, accum) for micro in range(accum)]
+        loss = train_step(plain, micro_batches, lambda output, y: loss_fn(output, y) / accum)
+        losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

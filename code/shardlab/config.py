@@ -2,9 +2,10 @@
 
 `TrainConfig` names a run (strategy, world size, model, precision, optimizer, steps,
 batch, gradient accumulation, options, checkpoints, rehearsed failures). It is apart from
-the loop (`shardlab.train`) because its checks run in the launching process, before any
-rank exists: a bad value is refused in one line there, not as a traceback from every rank.
-`check_resume` reads a checkpoint's marker for the same reason.
+the loop (`shardlab.train`) because its checks run once, in the launching process, before
+any rank exists: a bad value is refused in one line there, not as a traceback from every
+rank. `check_resume` reads a checkpoint's marker for the same reason; `resume_folder` is
+the one lookup of the checkpoint to resume, there and on the ranks.
 """
 
 from __future__ import annotations
@@ -28,80 +29,99 @@ from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_stra
 
 @dataclass
 class TrainConfig:
+    """A run, its fields by concern: what is trained and how; the steps and their data;
+    what is measured; the checkpoints; the faults rehearsed on purpose. Every field is a
+    keyword of its own (`TrainConfig(strategy="zero3", steps=20, save_every=5)`), and the
+    command line has one flag per field (`shardlab.cli`)."""
+
+    # -- what is trained, and how
     strategy: str = "single"
     world: int = 1
     model: str = "gpt-tiny"
+    # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
+    # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
+    model_config: dict[str, Any] | None = None
+    # Start from pretrained weights: a Hugging Face folder (config.json, model.safetensors)
+    # of `model` with `model_config`, read into the shards through the meta device
+    # (`shardlab.modelio`): each rank reads its own pieces, no rank initializes weights.
+    init_from: str | None = None
     precision: str = "fp32"
     optimizer: str = "adamw"
     lr: float = 1e-3
+    # As real jobs train (chapter 10): clip the gradients to this global norm before each
+    # step (None: no clipping).
+    clip_norm: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # the strategy's own
+    # Recompute each layer's activations in backward (`shardlab.debugging`).
+    recompute: bool = False
+    seed: int = 0
+
+    # -- the steps and their data
     steps: int = 10
     batch_size: int = 8  # the global batch of one optimizer step, split among ranks
     seq_len: int = 32
     grad_accum: int = 1  # micro-batches per step (each rank's rows split this many ways)
-    seed: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
+    # Average the loss over the global count of tokens ("tokens") or naively over
+    # micro-batches and ranks ("per-batch"); batches whose rows have different lengths,
+    # padded with ignored tokens (label -100).
+    loss_mean: str = "tokens"
+    variable_lengths: bool = False
+
+    # -- what is measured (`shardlab.report`)
     measure_memory: bool = True
     record_ledger: bool = True
     keep_params: bool = False
-    # Checkpoints (shardlab.checkpoint): save after every `save_every` steps into
+    # `memory_limit` (bytes): note where the tracked last step first holds more than
+    # that (RunReport.memory_limit_crossing), as an out-of-memory error would.
+    memory_limit: int | None = None
+    # A folder for a torch.profiler trace of one steady step (the next to last), one
+    # Chrome/Perfetto trace file per rank: rank0.json, rank1.json, ...
+    profile_dir: str | None = None
+
+    # -- checkpoints (`shardlab.checkpoint`): save after every `save_every` steps into
     # `checkpoint_dir`; `resume`: True for the newest complete checkpoint there, or the
     # path of one (it may come from another world size); then train up to `steps`.
     save_every: int = 0
     checkpoint_dir: str | None = None
     resume: bool | str = False
-    # A full, unsharded state dict written by rank 0 after training (torch.save).
-    export_path: str | None = None
-    # To rehearse a failure: rank `crash_rank` raises at the start of step `crash_at_step`.
-    crash_at_step: int | None = None
-    crash_rank: int = 0
-    # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
-    # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
-    model_config: dict[str, Any] | None = None
     # Resume from a checkpoint shardlab did not write (PyTorch's own `dcp.save`): it has
     # no manifest to verify, so it is read only when asked (its metadata still safely).
     trust_checkpoint: bool = False
-    # Production failures rehearsed on purpose (`shardlab.debugging`): rank `slow_rank`
-    # sleeps `slow_seconds` before every forward (a straggler); `recompute` recomputes
-    # each layer's activations in backward; `memory_limit` (bytes) notes where the
-    # tracked last step first holds more than that (RunReport.memory_limit_crossing).
+    # A full, unsharded state dict written by rank 0 after training (torch.save).
+    export_path: str | None = None
+
+    # -- production failures rehearsed on purpose (`shardlab.debugging`): rank
+    # `crash_rank` raises at the start of step `crash_at_step`; rank `slow_rank` sleeps
+    # `slow_seconds` before every forward (a straggler); each rank clips by the norm of
+    # its own gradient shard instead of the global norm (`clip_local_norm`, a mistake).
+    crash_at_step: int | None = None
+    crash_rank: int = 0
     slow_rank: int | None = None
     slow_seconds: float = 0.0
-    recompute: bool = False
-    memory_limit: int | None = None
-    # A folder for a torch.profiler trace of one steady step (the next to last), one
-    # Chrome/Perfetto trace file per rank: rank0.json, rank1.json, ...
-    profile_dir: str | None = None
-    # Start from pretrained weights: a Hugging Face folder (config.json, model.safetensors)
-    # of `model` with `model_config`, read into the shards through the meta device
-    # (`shardlab.modelio`): each rank reads its own pieces, no rank initializes weights.
-    init_from: str | None = None
-    # As real jobs train (chapter 10): clip the gradients to this global norm before each
-    # step (None: no clipping); average the loss over the global count of tokens
-    # ("tokens") or naively over micro-batches and ranks ("per-batch"); batches whose rows
-    # have different lengths, padded with ignored tokens (label -100).
-    clip_norm: float | None = None
-    loss_mean: str = "tokens"
-    variable_lengths: bool = False
-    # The mistake rehearsed on purpose (shardlab.debugging): each rank clips by the norm
-    # of its own gradient shard instead of the global norm.
     clip_local_norm: bool = False
 
     def validate(self) -> "TrainConfig":
-        """Raise, before any process starts, on anything that cannot run."""
+        """Raise on anything that cannot run. Called once, where the run is made: by `run`
+        (and so the command line) in the launching process, before any rank exists; on
+        the ranks by `train_worker`, for a config launched without `run`."""
+        self._check_what_is_trained()
+        self._check_steps()
+        self._check_faults()
+        self._check_measurement()
+        self._check_checkpoints()
+        if self.init_from is not None:
+            self._check_init_from()
+        # last: these create the folders, which a config refused above should not
+        if self.save_every:
+            check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
+        if self.export_path:
+            check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
+        return self
+
+    def _check_what_is_trained(self) -> None:
         get_strategy(self.strategy)
         get_precision(self.precision)
         optimizer_spec(self.optimizer, self.lr, self.clip_norm)
-        check_loss_mean(self.loss_mean)
-        for name in ("variable_lengths", "clip_local_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.clip_local_norm and self.clip_norm is None:
-            raise ValueError("clip_local_norm (the mistake of clipping by each rank's own "
-                             "norm) needs clip_norm, the norm to clip to")
-        if self.clip_local_norm and card(self.strategy).clips_by_own_library:
-            raise ValueError(f"clip_local_norm is a mistake rehearsed with the course's "
-                             f"strategies; {self.strategy!r} clips with its own library's "
-                             f"global norm: use one of {', '.join(names(family=OURS))}")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
@@ -109,35 +129,55 @@ class TrainConfig:
             # a NaN or negative rate trains without an error: every weight turns NaN,
             # or the loss climbs
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        for name in ("world", "steps", "batch_size", "seq_len", "grad_accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in ("seed", "crash_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        _check_whole(self, ("world",), least=1)
+        _check_whole(self, ("seed",), least=0)
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            raise ValueError(f"model_config must be a dict of the architecture's settings, "
+                             f"got {type(self.model_config).__name__}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+        check_before_launch(self.strategy, self.options, self.world)
+
+    def _check_steps(self) -> None:
+        check_loss_mean(self.loss_mean)
+        _check_flag(self, "variable_lengths")
+        _check_whole(self, ("steps", "batch_size", "seq_len", "grad_accum"), least=1)
+        self._check_seq_len()
+        check_batch_split(self.batch_size, self.world, self.grad_accum)
+
+    def _check_faults(self) -> None:
+        _check_flag(self, "clip_local_norm")
+        if self.clip_local_norm and self.clip_norm is None:
+            raise ValueError("clip_local_norm (the mistake of clipping by each rank's own "
+                             "norm) needs clip_norm, the norm to clip to")
+        if self.clip_local_norm and card(self.strategy).clips_by_own_library:
+            raise ValueError(f"clip_local_norm is a mistake rehearsed with the course's "
+                             f"strategies; {self.strategy!r} clips with its own library's "
+                             f"global norm: use one of {', '.join(names(family=OURS))}")
+        _check_whole(self, ("crash_rank",), least=0)
         if self.crash_at_step is not None and (
                 isinstance(self.crash_at_step, bool) or not isinstance(self.crash_at_step, int)
                 or self.crash_at_step < 0):
             raise ValueError(f"crash_at_step must be a step (a whole number >= 0) or None, "
                              f"got {self.crash_at_step!r}")
+        if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
+            raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
+                             f"got {self.crash_rank!r}")
         check_straggler(self.slow_rank, self.slow_seconds, self.world)
         if not math.isfinite(self.slow_seconds):
             raise ValueError(f"slow_seconds must be a finite number of seconds, got "
                              f"{self.slow_seconds!r}")
+
+    def _check_measurement(self) -> None:
         if self.memory_limit is not None:
             check_memory_limit(self.memory_limit)
-        self._check_seq_len()
         if self.profile_dir is not None:
             folder = Path(self.profile_dir)
             if folder.exists() and not folder.is_dir():
                 raise ValueError(f"profile_dir {self.profile_dir!r} is a file; give a folder "
                                  f"for the trace files")
-        check_batch_split(self.batch_size, self.world, self.grad_accum)
-        if not isinstance(self.options, dict):
-            raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
-        check_before_launch(self.strategy, self.options, self.world)
+
+    def _check_checkpoints(self) -> None:
         if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) \
                 or self.save_every < 0:
             raise ValueError(f"save_every must be a whole number >= 0 (0: never), got "
@@ -145,24 +185,11 @@ class TrainConfig:
         if (self.save_every or self.resume is True) and not self.checkpoint_dir:
             raise ValueError("save_every and resume=True need checkpoint_dir, the folder "
                              "that holds the checkpoints")
-        if self.crash_at_step is not None and not 0 <= self.crash_rank < self.world:
-            raise ValueError(f"crash_rank must be a rank of the run (0..{self.world - 1}), "
-                             f"got {self.crash_rank!r}")
-        if self.model_config is not None and not isinstance(self.model_config, dict):
-            raise ValueError(f"model_config must be a dict of the architecture's settings, "
-                             f"got {type(self.model_config).__name__}")
         asked = [name for name in ("save_every", "resume", "export_path") if getattr(self, name)]
         refusal = checkpoint_refusal(self.strategy) if asked else None
         if refusal:
             raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
                              f"shardlab's checkpoints: {refusal}")
-        if self.init_from is not None:
-            self._check_init_from()
-        if self.save_every:
-            check_writable_folder(self.checkpoint_dir, "checkpoint_dir")
-        if self.export_path:
-            check_writable_folder(Path(self.export_path).parent, "the folder of export_path")
-        return self
 
     def _check_init_from(self) -> None:
         """The folder holds a model config and this model's names and shapes (read from
@@ -183,8 +210,6 @@ class TrainConfig:
                               modelio.build_on_meta(self.model, self.model_config))
 
     def _check_seq_len(self) -> None:
-        if self.model_config is not None and not isinstance(self.model_config, dict):
-            return  # refused below, by name
         longest = longest_sequence(self.model, self.model_config)
         if longest is not None and self.seq_len > longest:
             raise ValueError(f"seq_len {self.seq_len} is longer than model {self.model!r} "
@@ -199,20 +224,8 @@ class TrainConfig:
         marker before any process starts; refuse a resume with nothing left to train."""
         if not self.resume:
             return 0
-        for root in checkpoint_roots(self):
-            checkpoint.clean_interrupted(root)
-        if self.resume is True:
-            # the one process that speaks: the launching one (under torchrun, rank 0's)
-            say = print if os.environ.get("RANK", "0") == "0" else None
-            folder = checkpoint.latest(self.checkpoint_dir, say=say)
-            if folder is None:
-                raise ValueError(f"no complete checkpoint that verifies in "
-                                 f"{self.checkpoint_dir}: train with save_every first, or "
-                                 f"resume=False")
-        else:
-            folder = Path(self.resume)
-            if not folder.is_dir():
-                raise ValueError(f"no checkpoint folder {folder}")
+        # the one process that speaks: the launching one (under torchrun, rank 0's)
+        folder = resume_folder(self, say=print if os.environ.get("RANK", "0") == "0" else None)
         if not checkpoint.is_complete(folder):
             if not self.trust_checkpoint:  # the ranks' load would refuse it, later
                 raise ValueError(f"{folder} is not a complete shardlab checkpoint (no "
@@ -236,6 +249,40 @@ class TrainConfig:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
                              f"{step}; ask for steps > {step}")
         return step
+
+
+def resume_folder(config: TrainConfig, say=None) -> Path | None:
+    """The checkpoint folder `config.resume` names (None without resume): the newest
+    complete one that verifies in `checkpoint_dir` (resume=True; `say` is told which newer
+    ones were skipped), or the folder given. What interrupted saves left in the run's
+    folders is removed first. Both the launching process (`check_resume`) and the ranks
+    (their load) find it here."""
+    if not config.resume:
+        return None
+    for root in checkpoint_roots(config):
+        checkpoint.clean_interrupted(root)
+    if config.resume is not True:
+        folder = Path(config.resume)
+        if not folder.is_dir():
+            raise ValueError(f"no checkpoint folder {folder}")
+        return folder
+    folder = checkpoint.latest(config.checkpoint_dir, say=say)
+    if folder is None:
+        raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
+                         f"train with save_every first, or resume=False")
+    return folder
+
+
+def _check_whole(config: TrainConfig, names: tuple[str, ...], least: int) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+
+
+def _check_flag(config: TrainConfig, name: str) -> None:
+    if not isinstance(getattr(config, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
 
 
 def checkpoint_roots(config: TrainConfig) -> list[Path]:

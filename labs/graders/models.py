@@ -28,5 +28,9 @@ def batch(step: int, inputs: int, outputs: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(4, inputs, generator=g), torch.randn(4, outputs, generator=g)
 
 
+def mean_square_error(output, y) -> torch.Tensor:
+    return ((output - y) ** 2).mean()
+
+
 def loss_of(model, x, y) -> torch.Tensor:
-    return ((model(x) - y) ** 2).mean()
+    return mean_square_error(model(x), y)

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from shardlab.step import train_step
+from shardlab.strategy import Wrapped
 from shardlab.zero import Zero1Optimizer
 from graders.common import agree, call, first_difference, grade_on_ranks, run_each, show
 from graders.ddp import _CountAllReduce
-from graders.models import batch, loss_of, tiny_mlp
+from graders.models import batch, loss_of, mean_square_error, tiny_mlp
 
 STEPS = 3
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
@@ -61,7 +63,8 @@ def check_one(my_zero1_class, steps: int = STEPS) -> None:
     mine = call("MyZero1(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1)",
                 lambda: my_zero1_class(list(model.parameters()), torch.optim.AdamW, **ADAMW))
     theirs = ZeroRedundancyOptimizer(torch_model.parameters(), torch.optim.AdamW, **ADAMW)
-    ours = Zero1Optimizer(course_model.parameters(), torch.optim.AdamW, **ADAMW)
+    course = Wrapped(course_model,
+                     Zero1Optimizer(course_model.parameters(), torch.optim.AdamW, **ADAMW))
     names = [n for n, _ in model.named_parameters()]
     for step in range(steps):
         x, y = batch(step, 8, 4)
@@ -75,9 +78,7 @@ def check_one(my_zero1_class, steps: int = STEPS) -> None:
             p.grad /= world
         theirs.step()
         theirs.zero_grad()
-        loss_of(course_model, x, y).backward()
-        ours.step()
-        ours.zero_grad()
+        train_step(course, [(x, y)], mean_square_error)  # the course's: the ordinary step
         for name, p, q, r in zip(names, model.parameters(), torch_model.parameters(),
                                  course_model.parameters()):
             assert torch.allclose(q, r, atol=1e-5), "the course's ZeRO-1 differs"

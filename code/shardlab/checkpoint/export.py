@@ -61,8 +61,9 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
     import time
 
     from shardlab.launch import rank_device
-    from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.models import build_model, get_batch
     from shardlab.precision import get_precision
+    from shardlab.step import train_step
     from shardlab.strategy import get_strategy, optimizer_spec
 
     rank, world = rank_world()
@@ -72,9 +73,7 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
             build_model(case.get("model", "gpt-tiny"), seed=0).to(rank_device()),
             get_precision(case.get("precision", "fp32")), optimizer_spec("adamw", 1e-3), {})
         x, y = (t.to(rank_device()) for t in get_batch(0, rank, world, 8, 16))
-        loss_fn(wrapped.model(x), y).backward()
-        wrapped.optimizer.step()
-        wrapped.optimizer.zero_grad()
+        train_step(wrapped, [(x, y)])  # one step: the optimizer's state exists
         saves, loads = [], []
         for r in range(repeats):
             barrier()

@@ -32,8 +32,9 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
     import time
 
     from shardlab.comm import Ledger
-    from shardlab.measure import state_bytes, track_peak
-    from shardlab.models import get_batch, loss_fn
+    from shardlab.measure import track_peak
+    from shardlab.models import get_batch
+    from shardlab.step import NOTHING, HeldAfterStep, train_step
     from shardlab.strategy import get_strategy, optimizer_spec
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,7 +47,8 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
         wrapped = get_strategy(strategy)(net, get_precision(precision),
                                          optimizer_spec("adamw", 1e-3),
                                          dict((options or {}).get(strategy, {})))
-        losses, times, held, peak = [], [], {}, None
+        losses, times, peak = [], [], None
+        states = HeldAfterStep(wrapped)  # counted in the last step only
         with Ledger() as ledger:
             for step in range(steps):
                 x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size,
@@ -56,16 +58,11 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
                 start = time.perf_counter()
                 with (track_peak(*wrapped.holders()) if last
                       else contextlib.nullcontext()) as peak:
-                    loss = loss_fn(wrapped.model(x), y)
-                    wrapped.backward(loss)
-                    wrapped.optimizer.step()
-                    if last:
-                        held = state_bytes(*wrapped.holders())
-                    wrapped.optimizer.zero_grad()
+                    loss = train_step(wrapped, [(x, y)], watch=states if last else NOTHING)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-                losses.append(loss.detach().float())
+                losses.append(loss)
                 ledger.mark_step()
         per_step: dict[str, dict[str, float]] = {}
         for record in ledger.records:
@@ -82,7 +79,7 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
         stage = card(strategy).zero_stage
         results.append({
             "strategy": strategy, "stage": stage, "world": world, "psi": psi,
-            "losses": (mean_losses / world).tolist(), "state_bytes": held,
+            "losses": (mean_losses / world).tolist(), "state_bytes": states.held,
             "predicted_bytes": (predicted_state_bytes(build_model(model, 0), stage, world,
                                                       precision, "adamw",
                                                       (options or {}).get(strategy))

@@ -25,9 +25,10 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
 
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.models import build_model, get_batch
     from shardlab.precision import get_precision
     from shardlab.sharded import tracing
+    from shardlab.step import train_step
     from shardlab.strategy import get_strategy, optimizer_spec
 
     import warnings
@@ -56,10 +57,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
             dist.barrier()
             with counter, tracer as trace:
                 start = time.perf_counter()
-                loss = loss_fn(wrapped.model(x), y)
-                loss.backward()
-                wrapped.optimizer.step()
-                wrapped.optimizer.zero_grad()
+                loss = train_step(wrapped, [(x, y)])
                 times.append(time.perf_counter() - start)
             losses.append(loss.item())
             if last:
