@@ -1,0 +1,1 @@
+from shardlab.diagrams.collectives import *  # noqa: F401,F403

@@ -1,0 +1,461 @@
+"""Diagrams of the collectives: a ring's rounds, one ZeRO-1 step, what each ZeRO stage
+holds and which collective it runs when, and HSDP's mesh of groups.
+
+Each takes its facts from the code it draws: the ring's rounds follow the rule of
+`shardlab.comm.ring` and number what `comm.ring_traffic` counts; the bytes are
+`memory.model_states`' and `comm.ring_traffic`'s; when a collective runs is read off the
+strategy's card (`shardlab.cards`); the mesh is `hsdp.hsdp_rank_lists`'.
+"""
+
+from __future__ import annotations
+
+from shardlab import comm, memory
+from shardlab.cards import OURS, card, names
+from shardlab.diagrams.draw import (COLORS, LABELS, SMALLEST_PT, TITLE_PT, bare, cell,
+                                    figure, legend_patches, pyplot, rank_color)
+from shardlab.diagrams.draw import size_text as _size
+from shardlab.hsdp import hsdp_rank_lists
+
+RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
+CATEGORIES = ("params", "grads", "optimizer")
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def ring_sends(op: str, world: int) -> list[list[tuple[int, int, int]]]:
+    """Every round of a ring collective, as `shardlab.comm.ring` runs it: per round, one
+    (sender, receiver, chunk) per rank. In round s rank r sends to r+1: in a
+    reduce-scatter its partial sum of chunk (r-s-1) mod N, in an all-gather chunk
+    (r-s) mod N; an all-reduce is the one, then the other. As many rounds as
+    `comm.ring_traffic` counts."""
+    if op not in RING_OPS:
+        raise ValueError(f"unknown ring collective {op!r}; use one of {list(RING_OPS)}")
+    n = memory.check_world(world)
+    rounds = comm.ring_traffic(op, n, n, 1)[2]
+    out = []
+    for i in range(rounds):
+        gather = op == "all_gather" or (op == "all_reduce" and i >= n - 1)
+        s = i % (n - 1)
+        out.append([(r, (r + 1) % n, (r - s) % n if gather else (r - s - 1) % n)
+                    for r in range(n)])
+    return out
+
+
+def ring_states(op: str, world: int) -> list[list[list[frozenset]]]:
+    """What each rank holds of each chunk before the first round and after every round:
+    `states[k][rank][chunk]` is the set of ranks whose contributions that copy sums (all
+    N: the chunk is complete; empty: not there). A reduce-scatter adds what arrives to
+    its own partial sum; an all-gather overwrites with it."""
+    n = memory.check_world(world)
+    everyone = frozenset(range(n))
+    if op == "all_gather":  # each rank starts with its own complete chunk
+        held = [[everyone if c == r else frozenset() for c in range(n)] for r in range(n)]
+    else:
+        held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    states = [held]
+    for i, sends in enumerate(ring_sends(op, n)):
+        adds = op == "reduce_scatter" or (op == "all_reduce" and i < n - 1)
+        new = [row[:] for row in held]
+        for sender, receiver, chunk in sends:
+            arriving = held[sender][chunk]
+            new[receiver][chunk] = held[receiver][chunk] | arriving if adds else arriving
+        held = new
+        states.append(held)
+    return states
+
+
+def _draw_ring_grid(ax, held, sends, n, x0, title):
+    """One rank per row, one chunk per column; a chunk's colour is that of the rank that
+    ends with it, its depth how many contributions it sums; the chunks that just arrived
+    are outlined."""
+    arrived = {(receiver, chunk) for _, receiver, chunk in sends}
+    for r in range(n):
+        for c in range(n):
+            k = len(held[r][c])
+            cell(ax, x0 + c, r, rank_color(c) if k else "white", alpha=0.15 + 0.85 * k / n
+                 if k else 1.0, text=str(k) if k else "", edge="#DDDDDD")
+            if (r, c) in arrived:
+                cell(ax, x0 + c + 0.06, r + 0.06, "none", w=0.88, h=0.88, edge="black",
+                     linewidth=1.6)
+    ax.text(x0 + n / 2, -0.25, title, ha="center", va="bottom", fontsize=SMALLEST_PT)
+
+
+def ring_figure(world: int = 4, numel: int | None = None, elem_size: int = 2):
+    """An all-reduce on a ring of `world` ranks, round by round: the reduce-scatter's N-1
+    rounds on the first row, the all-gather's on the second. With `numel`, the titles
+    give the bytes each rank sends per round (`comm.ring_traffic`)."""
+    n = memory.check_world(world)
+    if n < 2:
+        raise ValueError("a ring needs world >= 2 ranks")
+    states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
+    gap = 1.0
+    width = n * (n + gap) - gap
+    fig, axes = figure(1.3 + 0.55 * 2 * n, nrows=2)
+    halves = [("reduce-scatter", 0, "round k: rank r sends its partial sum of chunk "
+                                    "(r−k) mod N to rank r+1, which adds it to its own"),
+              ("all-gather", n - 1, "round k: rank r sends the complete chunk (r−k+1) mod N "
+                                    "to rank r+1, which keeps it")]
+    for ax, (name, first, rule) in zip(axes, halves):
+        bare(ax, width + 2.2, n)
+        ax.set_ylim(n + 0.1, -2.7)
+        for k in range(n):  # the state before the half, then after each of its rounds
+            index = first + k
+            title = ("start" if index == 0 else "after the reduce-scatter" if k == 0
+                     else f"round {k}")
+            _draw_ring_grid(ax, states[index], sends[index - 1] if k else [], n,
+                            2.2 + k * (n + gap), title)
+        for r in range(n):
+            ax.text(2.0, r + 0.5, f"rank {r}", ha="right", va="center", fontsize=SMALLEST_PT)
+        ax.text(0, -2.7, name, ha="left", va="top", fontsize=TITLE_PT, weight="bold")
+        ax.text(0, -1.75, rule, ha="left", va="top", fontsize=SMALLEST_PT)
+    per = ""
+    if numel is not None:
+        sent, _, rounds, round_bytes = comm.ring_traffic("reduce_scatter", numel, n, elem_size)
+        per = (f"\nΨ = {numel:,} elements of {elem_size} B: each round a rank sends one "
+               f"chunk, {_size(round_bytes)}; {_size(sent)} per half")
+    fig.suptitle(f"All-reduce on a ring of {n} = reduce-scatter ({n - 1} rounds), then "
+                 f"all-gather ({n - 1} rounds){per}", fontsize=TITLE_PT)
+    fig.text(0.5, 0.01, "columns: the tensor's chunks 0 to N−1; number and depth: how many "
+             "ranks' contributions a chunk sums; outlined: arrived", ha="center",
+             fontsize=SMALLEST_PT)
+    fig.subplots_adjust(left=0.01, right=0.99, top=0.9 if per else 0.94, bottom=0.05,
+                        hspace=0.08)
+    return fig
+
+
+def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
+                   interval: int = 1200):
+    """The same all-reduce as a ring of ranks, one frame per round: an arrow from each
+    rank to the next carries the chunk it sends. Show it with `viz.player_html`."""
+    import math
+
+    from matplotlib.animation import FuncAnimation
+
+    n = memory.check_world(world)
+    if n < 2:
+        raise ValueError("a ring needs world >= 2 ranks")
+    states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
+    bytes_text = ""
+    if numel is not None:
+        _, _, _, round_bytes = comm.ring_traffic("all_reduce", numel, n, elem_size)
+        bytes_text = f", {_size(round_bytes)}"
+    fig, ax = figure(4.6)
+    fig.subplots_adjust(left=0, right=1, top=0.88, bottom=0.02)
+    # an ellipse, wider than tall: each rank is a strip of N chunks
+    at = [(4.4 * math.sin(2 * math.pi * r / n), 3.1 * math.cos(2 * math.pi * r / n))
+          for r in range(n)]
+
+    def edge(r):
+        """Where an arrow leaves or meets rank r's strip: its side that faces the middle."""
+        x, y = at[r]
+        length = math.hypot(x, y)
+        dx, dy = -x / length, -y / length
+        t = min((n * 0.45 + 0.15) / abs(dx) if dx else math.inf,
+                0.65 / abs(dy) if dy else math.inf)
+        return x + t * dx, y + t * dy
+
+    def draw(k):
+        ax.clear()
+        ax.set_xlim(-7.5, 7.5)
+        ax.set_ylim(-4.4, 4.6)
+        ax.set_aspect("equal")
+        ax.set_axis_off()
+        held = states[k]
+        moving = sends[k - 1] if k else []
+        arrived = {(receiver, chunk) for _, receiver, chunk in moving}
+        for r, (x, y) in enumerate(at):
+            x0 = x - n * 0.45
+            for c in range(n):
+                count = len(held[r][c])
+                cell(ax, x0 + 0.9 * c, y - 0.45, rank_color(c) if count else "white",
+                     w=0.9, h=0.9, alpha=0.15 + 0.85 * count / n if count else 1.0,
+                     text=str(count) if count else "", edge="#BBBBBB")
+                if (r, c) in arrived:
+                    cell(ax, x0 + 0.9 * c + 0.05, y - 0.4, "none", w=0.8, h=0.8,
+                         edge="black", linewidth=1.8)
+            below = y < -0.5  # the label on the outer side, away from the arrows
+            ax.text(x, y - 0.55 if below else y + 0.55, f"rank {r}", ha="center",
+                    va="top" if below else "bottom", fontsize=SMALLEST_PT)
+        for sender, receiver, chunk in moving:
+            (x1, y1), (x2, y2) = edge(sender), edge(receiver)
+            ax.annotate("", xy=(x2, y2), xytext=(x1, y1),
+                        arrowprops={"arrowstyle": "-|>", "color": rank_color(chunk),
+                                    "lw": 2, "shrinkA": 3, "shrinkB": 3,
+                                    "connectionstyle": "arc3,rad=0.25"})
+            ax.text((x1 + x2) * 0.42, (y1 + y2) * 0.42, f"chunk {chunk}", ha="center",
+                    va="center", fontsize=SMALLEST_PT, color=rank_color(chunk),
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        if k == 0:
+            title = "start: each rank holds its own tensor, cut into N chunks (chunk 0 left)"
+        elif k < n:
+            title = (f"reduce-scatter, round {k} of {n - 1}: each rank adds the chunk that "
+                     f"arrives to its own copy")
+        else:
+            title = (f"all-gather, round {k - n + 1} of {n - 1}: each rank passes on the "
+                     f"complete chunk it received last")
+        ax.set_title(f"{title}\nthe number: how many ranks' contributions a chunk sums; "
+                     f"each arrow: one chunk{bytes_text}", fontsize=TITLE_PT)
+        return []
+
+    anim = FuncAnimation(fig, draw, frames=len(states), interval=interval, blit=False)
+    pyplot().close(fig)
+    return anim
+
+
+# ----------------------------------------------------------------------------- ZeRO-1
+
+
+def _phase_words(strategy: str, op: str) -> list[str]:
+    """Where a collective runs in a step, from the strategy's card: ["backward", ...]."""
+    where = card(strategy).schedule.get(op)
+    if where is None:
+        return []
+    pairs = where if isinstance(where[0], tuple) else (where,)
+    return [phase for phase, _ in pairs]
+
+
+def zero1_step_data(world: int = 4, psi: int | None = None,
+                    precision: str = "bf16-mixed", optimizer: str = "adamw") -> dict:
+    """One ZeRO-1 step as four moments, each with what every rank holds of each chunk:
+    params "old" / "new", grads "local" / "mean" (chunk r reduced onto rank r), and the
+    optimizer state of chunk r on rank r alone. The collectives' phases are read from the
+    card of `zero1`; with `psi`, the bytes a rank sends in each (`comm.ring_traffic`) and
+    holds (`memory.model_states`, stage 1)."""
+    n = memory.check_world(world)
+    own = [[c == r for c in range(n)] for r in range(n)]
+    moments = [
+        ("1. backward", "each rank: its own\nfull gradients",
+         lambda r, c: ("old", "local")),
+        ("2. reduce-scatter", f"in the {_phase_words('zero1', 'reduce_scatter')[0]}: "
+                              f"rank r\ngets chunk r's mean",
+         lambda r, c: ("old", "mean" if own[r][c] else "local")),
+        ("3. step the shard", "rank r steps chunk r\nwith 1/N of the states",
+         lambda r, c: ("new" if own[r][c] else "old", "mean" if own[r][c] else "local")),
+        ("4. all-gather", f"every chunk to every\nrank, by the next "
+                          f"{_phase_words('zero1', 'all_gather')[0]}",
+         lambda r, c: ("new", "mean" if own[r][c] else "local")),
+    ]
+    data = {"world": n, "moments": [], "sent": None, "states": None}
+    for title, note, rule in moments:
+        holds = [{"params": [rule(r, c)[0] for c in range(n)],
+                  "grads": [rule(r, c)[1] for c in range(n)],
+                  "optimizer": [own[r][c] for c in range(n)]} for r in range(n)]
+        data["moments"].append({"title": title, "note": note, "holds": holds})
+    if psi is not None:
+        per = memory.bytes_per_param(precision, optimizer)
+        data["sent"] = {op: comm.ring_traffic(op, psi, n, getattr(per, category))[0]
+                        for op, category in (("reduce_scatter", "grads"),
+                                             ("all_gather", "params"))}
+        data["states"] = memory.model_states(psi, n, 1, precision, optimizer)
+    return data
+
+
+_SHADES = {"old": (COLORS["params"], 0.35), "new": (COLORS["params"], 1.0),
+           "local": (COLORS["grads"], 0.35), "mean": (COLORS["grads"], 1.0)}
+
+
+def zero1_step_figure(world: int = 4, psi: int | None = None,
+                      precision: str = "bf16-mixed", optimizer: str = "adamw"):
+    """`zero1_step_data` drawn: four panels left to right, each rank a block of three
+    rows of N chunks (parameters, gradients, optimizer state)."""
+    data = zero1_step_data(world, psi, precision, optimizer)
+    n = data["world"]
+    fig, axes = figure(1.9 + 0.62 * n, ncols=4)
+    for ax, moment in zip(axes, data["moments"]):
+        bare(ax, n + 0.2, 4 * n)
+        ax.set_ylim(4 * n, -3.4)
+        for r, holds in enumerate(moment["holds"]):
+            y = 4 * r
+            for c in range(n):
+                for row, category in enumerate(CATEGORIES):
+                    value = holds[category][c]
+                    if category == "optimizer":
+                        color, alpha = (COLORS["optimizer"], 1.0) if value else ("white", 1)
+                    else:
+                        color, alpha = _SHADES[value]
+                    cell(ax, 0.1 + c, y + row, color, alpha=alpha, edge="#CCCCCC",
+                         linewidth=0.5)
+            ax.text(-0.15, y + 1.5, f"r{r}", ha="right", va="center", fontsize=SMALLEST_PT)
+        ax.text(n / 2 + 0.1, -3.4, moment["title"], ha="center", va="top",
+                fontsize=TITLE_PT, weight="bold")
+        ax.text(n / 2 + 0.1, -2.2, moment["note"], ha="center", va="top",
+                fontsize=SMALLEST_PT)
+    handles = legend_patches([
+        ("parameter, old", (*_rgb(COLORS["params"], 0.35),)), ("parameter, updated",
+                                                               COLORS["params"]),
+        ("own gradient", (*_rgb(COLORS["grads"], 0.35),)), ("mean gradient",
+                                                             COLORS["grads"]),
+        ("optimizer state", COLORS["optimizer"])])
+    fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False,
+               fontsize=SMALLEST_PT, handlelength=1.2, columnspacing=1.0)
+    if data["sent"] is not None:
+        mb = {op: _size(b) for op, b in data["sent"].items()}
+        fig.suptitle(f"One ZeRO-1 step, N = {n}, Ψ = {psi:,}: each rank sends "
+                     f"{mb['reduce_scatter']} in the reduce-scatter\nand "
+                     f"{mb['all_gather']} in the all-gather; it holds "
+                     f"{_size(data['states'].total)} of model states "
+                     f"(rows per rank: parameters, gradients, optimizer)", fontsize=SMALLEST_PT)
+    else:
+        fig.suptitle(f"One ZeRO-1 step on {n} ranks: reduce-scatter, step the shard, "
+                     f"all-gather\n(rows per rank: parameters, gradients, optimizer)",
+                     fontsize=TITLE_PT)
+    fig.subplots_adjust(left=0.04, right=0.99, top=0.88, bottom=0.09, wspace=0.25)
+    return fig
+
+
+def _rgb(color: str, alpha: float) -> tuple:
+    """A colour blended with white, as a solid colour (for legends of faded cells)."""
+    from matplotlib.colors import to_rgb
+
+    return tuple(1 - alpha + alpha * v for v in to_rgb(color))
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def stage_strategy(stage: int) -> str:
+    """The course's strategy of a ZeRO stage, from the cards (stage 0 is DDP)."""
+    memory.check_stage(stage)
+    return "ddp" if stage == 0 else names(family=OURS, zero_stage=stage)[0]
+
+
+def stages_data(psi: int, world: int = 4, precision: str = "bf16-mixed",
+                optimizer: str = "adamw") -> list[dict]:
+    """For each stage: its strategy, the bytes per rank (`memory.model_states`), which
+    chunks of each category rank r holds (all N where the formula keeps the full Ψ, its
+    own where it keeps Ψ/N), and its collectives by phase, read off the card."""
+    n = memory.check_world(world)
+    per = memory.bytes_per_param(precision, optimizer).as_dict()
+    out = []
+    for stage in memory.STAGES:
+        strategy = stage_strategy(stage)
+        states = memory.model_states(psi, n, stage, precision, optimizer)
+        sharded = {c: getattr(states, c) < per[c] * psi for c in CATEGORIES}
+        chunks = [{c: [r] if sharded[c] else list(range(n)) for c in CATEGORIES}
+                  for r in range(n)]
+        phases = {"forward": [], "backward": [], "step": []}
+        for op in card(strategy).schedule:
+            for phase in _phase_words(strategy, op):
+                phases[phase].append(op)
+        out.append({"stage": stage, "strategy": strategy, "states": states,
+                    "chunks": chunks, "phases": phases})
+    return out
+
+
+def stages_figure(psi: int, world: int = 4, precision: str = "bf16-mixed",
+                  optimizer: str = "adamw", unit: str = "GB"):
+    """`stages_data` drawn: a column per stage, each rank a block of three rows of N
+    chunks (filled where it holds them), the bytes per rank above, and below, which
+    collectives run in forward, backward and the optimizer step."""
+    from shardlab.viz import UNITS
+
+    rows = stages_data(psi, world, precision, optimizer)
+    n = memory.check_world(world)
+    fig, axes = figure(2.6 + 0.62 * n, ncols=4)
+    for ax, row in zip(axes, rows):
+        bare(ax, n + 0.2, 4 * n + 5.3)
+        ax.set_ylim(4 * n + 5.3, -2.4)
+        for r, chunks in enumerate(row["chunks"]):
+            for k, category in enumerate(CATEGORIES):
+                for c in range(n):
+                    held = c in chunks[category]
+                    cell(ax, 0.1 + c, 4 * r + k, COLORS[category] if held else "white",
+                         edge="#CCCCCC", linewidth=0.5)
+            ax.text(-0.15, 4 * r + 1.5, f"r{r}", ha="right", va="center",
+                    fontsize=SMALLEST_PT)
+        total = row["states"].total / UNITS[unit]
+        ax.text(n / 2 + 0.1, -2.3, f"stage {row['stage']} ({row['strategy']})",
+                ha="center", va="top", fontsize=TITLE_PT, weight="bold")
+        ax.text(n / 2 + 0.1, -1.2, f"{total:,.1f} {unit} per rank", ha="center", va="top",
+                fontsize=SMALLEST_PT)
+        y = 4 * n + 0.3
+        for phase, ops in row["phases"].items():
+            words = [op.replace("_", "-") for op in ops] or ["–"]
+            lines = [f"{phase}: {words[0]}"] + [f"    + {w}" for w in words[1:]]
+            for line in lines:
+                ax.text(-0.6, y, line, ha="left", va="top", fontsize=SMALLEST_PT,
+                        color="black" if ops else "gray")
+                y += 1.2
+    fig.legend(handles=legend_patches([(LABELS[c], COLORS[c]) for c in CATEGORIES]
+                                      + [("not held", "white", "")]),
+               loc="lower center", ncol=4, frameon=False, fontsize=SMALLEST_PT)
+    fig.suptitle(f"Who holds what: Ψ = {psi:,}, N = {n}, {precision}, {optimizer}",
+                 fontsize=TITLE_PT)
+    fig.subplots_adjust(left=0.04, right=0.99, top=0.92, bottom=0.07, wspace=0.3)
+    return fig
+
+
+# ----------------------------------------------------------------------------- HSDP
+
+
+def hsdp_mesh_data(world: int = 8, shard_group: int = 4, psi: int | None = None,
+                   bytes_per_elem: int = 2) -> dict:
+    """HSDP's ranks as a grid: row i is shard group i (a node), column j replicate group
+    j, from `hsdp.hsdp_rank_lists`; with `psi`, the bytes one rank sends per step on each
+    link (`comm.hsdp_volume_per_link`)."""
+    n = memory.check_world(world)
+    if shard_group < 1 or n % shard_group:
+        raise ValueError(f"shard_group must divide world {n}, got {shard_group!r}; use one "
+                         f"of {[d for d in range(1, n + 1) if n % d == 0]}")
+    shard, replicate = hsdp_rank_lists(n, shard_group)
+    volumes = (comm.hsdp_volume_per_link(psi, n, shard_group, bytes_per_elem)
+               if psi is not None else None)
+    return {"grid": shard, "shard_groups": shard, "replicate_groups": replicate,
+            "volumes": volumes, "collectives": card("hsdp").collectives}
+
+
+def hsdp_mesh_figure(world: int = 8, shard_group: int = 4, psi: int | None = None,
+                     bytes_per_elem: int = 2):
+    """`hsdp_mesh_data` drawn: a box per rank, a frame per shard group (a node) and a
+    line through each replicate group, each axis labelled with what runs along it."""
+    from matplotlib.patches import FancyBboxPatch
+
+    data = hsdp_mesh_data(world, shard_group, psi, bytes_per_elem)
+    grid = data["grid"]
+    rows, cols = len(grid), len(grid[0])
+    left = 3.3  # room for the row labels, in cells
+    fig, ax = figure(1.6 + 0.75 * rows)
+    bare(ax, left + 1.3 * cols + 2.6, 1.3 * rows + 2.2)
+    ax.set_ylim(1.3 * rows + 2.2, -0.6)
+    for j in range(cols):  # a replicate group: one rank of each node, the same shard
+        x = left + 1.3 * j
+        ax.add_patch(FancyBboxPatch((x, -0.1), 1.1, 1.3 * rows - 0.1,
+                                    boxstyle="round,pad=0.06", facecolor=rank_color(j),
+                                    alpha=0.18, edgecolor=rank_color(j), linewidth=1.5))
+        ax.text(x + 0.55, 1.3 * rows - 0.05, f"replicate\ngroup {j}", ha="center", va="top",
+                fontsize=SMALLEST_PT, color=rank_color(j))
+    for i, ranks in enumerate(grid):
+        ax.add_patch(FancyBboxPatch((left - 0.1, 1.3 * i), 1.3 * cols - 0.1, 0.9,
+                                    boxstyle="round,pad=0.08", facecolor="none",
+                                    edgecolor="black", linewidth=1.2))
+        ax.text(left - 0.35, 1.3 * i + 0.45, f"node {i}, shard group\n{ranks}", ha="right",
+                va="center", fontsize=SMALLEST_PT)
+        for j, rank in enumerate(ranks):
+            cell(ax, left + 1.3 * j + 0.05, 1.3 * i + 0.05, rank_color(j), w=1.0, h=0.8,
+                 text=f"rank {rank}\nshard {j}", text_color="white")
+    right = left + 1.3 * cols + 0.2
+    volumes = data["volumes"]
+    along = f"{volumes['intra-node'] / 1e9:,.2f} GB" if volumes else "3Ψ(S−1)/S"
+    across = f"{volumes['inter-node'] / 1e9:,.2f} GB" if volumes else "2Ψ(R−1)/(RS)"
+    ax.text(right, 0.45 if rows > 1 else 0.2,
+            f"along a row:\nall-gather ×2,\nreduce-scatter\n{along} a rank", ha="left",
+            va="center", fontsize=SMALLEST_PT)
+    ax.text(right, 1.3 * rows - 0.4 if rows > 1 else 0.9,
+            f"down a column:\nall-reduce of\nthe Ψ/S shard\n{across} a rank", ha="left",
+            va="center", fontsize=SMALLEST_PT)
+    ax.text(0, 1.3 * rows + 1.0,
+            f"Inside a node, FSDP over the S = {cols} ranks of a shard group; across "
+            f"nodes, only the all-reduce of each\ngradient shard over the R = {rows} ranks "
+            f"that hold the same shard (bytes: one rank's, per step, on rings)",
+            ha="left", va="top", fontsize=SMALLEST_PT)
+    title = f"HSDP on {world} ranks: {rows} shard groups of {cols}, {cols} replicate groups"
+    if psi is not None:
+        title += f" (Ψ = {psi:,}, {bytes_per_elem} B an element)"
+    ax.set_title(title, fontsize=TITLE_PT)
+    fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
+    return fig
+
+
+__all__ = ["ring_sends", "ring_states", "ring_figure", "ring_animation", "zero1_step_data",
+           "zero1_step_figure", "stage_strategy", "stages_data", "stages_figure",
+           "hsdp_mesh_data", "hsdp_mesh_figure"]
