@@ -12,7 +12,6 @@ from shardlab.viz import COLORS, DPI, LABELS, MAX_WIDTH_IN, SMALLEST_PT
 # seaborn's "deep" palette, whose first five colours `viz.COLORS` also uses
 RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860",
                "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
-PADDING = "#FFFFFF"  # padding: a white cell, hatched
 TITLE_PT = 10
 
 
@@ -54,6 +53,24 @@ def cell(ax, x: float, y: float, color: str, w: float = 1.0, h: float = 1.0,
                 color=text_color)
 
 
+def grid(ax, colors, x0: float = 0.0, y0: float = 0.0, alpha: float = 1.0,
+         linewidth: float = 0.6) -> None:
+    """A grid of cells, `colors[row][col]`, with its top-left corner at (x0, y0) of a
+    flipped cell grid: one image and its white lines, not a patch per cell (a figure
+    of a few thousand cells draws in a blink)."""
+    import numpy as np
+    from matplotlib.colors import to_rgba
+
+    rows, cols = len(colors), len(colors[0])
+    image = np.array([[to_rgba(c, alpha) for c in row] for row in colors])
+    ax.imshow(image, extent=(x0, x0 + cols, y0 + rows, y0), origin="upper",
+              interpolation="nearest", aspect="auto", zorder=1)
+    ax.hlines([y0 + i for i in range(1, rows)], x0, x0 + cols, colors="white",
+              linewidth=linewidth, zorder=2)
+    ax.vlines([x0 + j for j in range(1, cols)], y0, y0 + rows, colors="white",
+              linewidth=linewidth, zorder=2)
+
+
 def size_text(nbytes: float) -> str:
     """Bytes in the largest unit (of 10**3 steps, `memory.GB`'s) that keeps the number
     at 1 or more, with 3 significant figures: "3.37 GB", "24.0 kB", "96 B"."""
@@ -74,5 +91,5 @@ def legend_patches(items):
 
 
 __all__ = ["COLORS", "LABELS", "DPI", "MAX_WIDTH_IN", "SMALLEST_PT", "TITLE_PT",
-           "RANK_COLORS", "PADDING", "rank_color", "size_text", "pyplot", "figure", "bare", "cell",
-           "legend_patches"]
+           "RANK_COLORS", "rank_color", "size_text", "grid", "pyplot", "figure",
+           "bare", "cell", "legend_patches"]

@@ -15,7 +15,7 @@ import math
 
 from shardlab import memory
 from shardlab.checkpoint.layout import boxes
-from shardlab.diagrams.draw import (SMALLEST_PT, TITLE_PT, bare, cell, figure,
+from shardlab.diagrams.draw import (SMALLEST_PT, TITLE_PT, bare, cell, figure, grid,
                                     legend_patches, rank_color)
 from shardlab.strategy import owned_ranges
 
@@ -137,10 +137,8 @@ def _draw_parameters(ax, shapes, ranges, x0: float, y0: float, gap: float = 1.0,
     x = x0
     for name, shape in shapes:
         rows, cols = _grid_shape(shape)
-        for i in range(rows * cols):
-            r = _owner(ranges[name], i)
-            cell(ax, x + i % cols, y0 + i // cols, rank_color(r), alpha=alpha,
-                 edge="white", linewidth=0.6)
+        grid(ax, [[rank_color(_owner(ranges[name], i * cols + j)) for j in range(cols)]
+                  for i in range(rows)], x, y0, alpha=alpha)
         ax.text(x + cols / 2, y0 - 0.2, f"{name} {tuple(shape)}", ha="center", va="bottom",
                 fontsize=SMALLEST_PT)
         x += cols + gap
@@ -232,7 +230,7 @@ def checkpoint_figure(shapes=UNIT, world: int = 3, cut: str = "flat"):
                     h, w, row, col = sizes[0], 1, offsets[0], 0
                 ax.add_patch(Rectangle((x + col + 0.06, row + 0.06), w - 0.12, h - 0.12,
                                        facecolor="none", edgecolor=rank_color(r),
-                                       linewidth=2.2))
+                                       linewidth=2.2, zorder=3))
             lines.append((r, f"{name} [{a}:{b}] → " + " ".join(_box_text(shape, o, s)
                                                                for o, s, _ in rects)))
         x += cols + 1
@@ -275,31 +273,31 @@ def parallelism_data(model: str = "mixtral-8x7b", degree: int = 4, seq: int = 40
             raise ValueError(f"degree {degree} does not divide the {count} {what} of "
                              f"{cfg.name}: use a divisor of {count}")
 
-    def grid(rows, rule):
+    def owners(rows, rule):
         return [[rule(i, j) for j in range(cells)] for i in range(rows)]
 
-    every = grid(cells, lambda i, j: None)
-    by_column = grid(cells, lambda i, j: j * degree // cells)
-    stage0 = grid(cells, lambda i, j: 0)
+    every = owners(cells, lambda i, j: None)
+    by_column = owners(cells, lambda i, j: j * degree // cells)
+    stage0 = owners(cells, lambda i, j: 0)
     out = {
-        "tensor": {"parts": (grid(L, lambda i, j: None), by_column, by_column),
+        "tensor": {"parts": (owners(L, lambda i, j: None), by_column, by_column),
                    "per_gpu": f"1/{degree} of each matrix\n({cfg.hidden // degree:,} of "
                               f"{cfg.hidden:,} columns), in all {L} layers",
                    "sends": "all-reduce of the activations:\n2 a layer in forward, "
                             "2 in backward"},
-        "pipeline": {"parts": (grid(L, lambda i, j: i * degree // L), stage0, stage0),
+        "pipeline": {"parts": (owners(L, lambda i, j: i * degree // L), stage0, stage0),
                      "per_gpu": f"{L // degree} of {L} layers, whole\n(drawn: a layer "
                                 f"of GPU 0)",
                      "sends": "the activations at each stage\nboundary, per micro-batch"},
-        "context": {"parts": (grid(L, lambda i, j: None), every,
-                              grid(cells, lambda i, j: i * degree // cells)),
+        "context": {"parts": (owners(L, lambda i, j: None), every,
+                              owners(cells, lambda i, j: i * degree // cells)),
                     "per_gpu": f"{seq // degree:,} of {seq:,} tokens, and\nall the "
                                f"weights",
                     "sends": "keys and values: all-gather,\nreduce-scatter in backward"},
     }
     if E > 1:
-        out["expert"] = {"parts": (grid(L, lambda i, j: None),
-                                   grid(cells, lambda i, j: (j * E // cells) * degree // E),
+        out["expert"] = {"parts": (owners(L, lambda i, j: None),
+                                   owners(cells, lambda i, j: (j * E // cells) * degree // E),
                                    every),
                          "per_gpu": f"{E // degree} of the {E} experts of each\nlayer "
                                     f"(weights: experts side by side)",
@@ -324,10 +322,8 @@ def parallelism_figure(model: str = "mixtral-8x7b", degree: int = 4, seq: int = 
             n_rows, n_cols = len(owners), len(owners[0])
             bare(ax, n_cols, n_rows)
             ax.set_aspect("auto")
-            for i, row in enumerate(owners):
-                for j, g in enumerate(row):
-                    cell(ax, j, i, EVERY_GPU if g is None else rank_color(g),
-                         edge="white", linewidth=0.3 if n_rows > 16 else 0.6)
+            grid(ax, [[EVERY_GPU if g is None else rank_color(g) for g in row]
+                      for row in owners], linewidth=0.3 if n_rows > 16 else 0.6)
             if k == 0:
                 ax.set_title(part, fontsize=SMALLEST_PT)
         text.set_axis_off()
