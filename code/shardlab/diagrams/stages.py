@@ -1,10 +1,9 @@
-"""Diagrams of the collectives: a ring's rounds, one ZeRO-1 step, what each ZeRO stage
-holds and which collective it runs when, and HSDP's mesh of groups.
+"""Diagrams of who holds what and which collective runs when: one ZeRO-1 step, each
+ZeRO stage's holdings and collectives, and HSDP's mesh of groups.
 
-Each takes its facts from the code it draws: the ring's rounds follow the rule of
-`shardlab.comm.ring` and number what `comm.ring_traffic` counts; the bytes are
-`memory.model_states`' and `comm.ring_traffic`'s; when a collective runs is read off the
-strategy's card (`shardlab.cards`); the mesh is `hsdp.hsdp_rank_lists`'.
+The bytes are `memory.model_states`' and `comm`'s (ring traffic, HSDP's volume per
+link); when a collective runs is read off the strategy's card (`shardlab.cards`); the
+mesh is `hsdp.hsdp_rank_lists`'.
 """
 
 from __future__ import annotations
@@ -12,195 +11,10 @@ from __future__ import annotations
 from shardlab import comm, memory
 from shardlab.cards import OURS, card, names
 from shardlab.diagrams.draw import (COLORS, LABELS, SMALLEST_PT, TITLE_PT, bare, cell,
-                                    figure, legend_patches, pyplot, rank_color)
-from shardlab.diagrams.draw import size_text as _size
+                                    figure, legend_patches, rank_color, size_text)
 from shardlab.hsdp import hsdp_rank_lists
 
-RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 CATEGORIES = ("params", "grads", "optimizer")
-
-# ----------------------------------------------------------------------------- the ring
-
-
-def ring_sends(op: str, world: int) -> list[list[tuple[int, int, int]]]:
-    """Every round of a ring collective, as `shardlab.comm.ring` runs it: per round, one
-    (sender, receiver, chunk) per rank. In round s rank r sends to r+1: in a
-    reduce-scatter its partial sum of chunk (r-s-1) mod N, in an all-gather chunk
-    (r-s) mod N; an all-reduce is the one, then the other. As many rounds as
-    `comm.ring_traffic` counts."""
-    if op not in RING_OPS:
-        raise ValueError(f"unknown ring collective {op!r}; use one of {list(RING_OPS)}")
-    n = memory.check_world(world)
-    rounds = comm.ring_traffic(op, n, n, 1)[2]
-    out = []
-    for i in range(rounds):
-        gather = op == "all_gather" or (op == "all_reduce" and i >= n - 1)
-        s = i % (n - 1)
-        out.append([(r, (r + 1) % n, (r - s) % n if gather else (r - s - 1) % n)
-                    for r in range(n)])
-    return out
-
-
-def ring_states(op: str, world: int) -> list[list[list[frozenset]]]:
-    """What each rank holds of each chunk before the first round and after every round:
-    `states[k][rank][chunk]` is the set of ranks whose contributions that copy sums (all
-    N: the chunk is complete; empty: not there). A reduce-scatter adds what arrives to
-    its own partial sum; an all-gather overwrites with it."""
-    n = memory.check_world(world)
-    everyone = frozenset(range(n))
-    if op == "all_gather":  # each rank starts with its own complete chunk
-        held = [[everyone if c == r else frozenset() for c in range(n)] for r in range(n)]
-    else:
-        held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
-    states = [held]
-    for i, sends in enumerate(ring_sends(op, n)):
-        adds = op == "reduce_scatter" or (op == "all_reduce" and i < n - 1)
-        new = [row[:] for row in held]
-        for sender, receiver, chunk in sends:
-            arriving = held[sender][chunk]
-            new[receiver][chunk] = held[receiver][chunk] | arriving if adds else arriving
-        held = new
-        states.append(held)
-    return states
-
-
-def _draw_ring_grid(ax, held, sends, n, x0, title):
-    """One rank per row, one chunk per column; a chunk's colour is that of the rank that
-    ends with it, its depth how many contributions it sums; the chunks that just arrived
-    are outlined."""
-    arrived = {(receiver, chunk) for _, receiver, chunk in sends}
-    for r in range(n):
-        for c in range(n):
-            k = len(held[r][c])
-            cell(ax, x0 + c, r, rank_color(c) if k else "white", alpha=0.15 + 0.85 * k / n
-                 if k else 1.0, text=str(k) if k else "", edge="#DDDDDD")
-            if (r, c) in arrived:
-                cell(ax, x0 + c + 0.06, r + 0.06, "none", w=0.88, h=0.88, edge="black",
-                     linewidth=1.6)
-    ax.text(x0 + n / 2, -0.25, title, ha="center", va="bottom", fontsize=SMALLEST_PT)
-
-
-def ring_figure(world: int = 4, numel: int | None = None, elem_size: int = 2):
-    """An all-reduce on a ring of `world` ranks, round by round: the reduce-scatter's N-1
-    rounds on the first row, the all-gather's on the second. With `numel`, the titles
-    give the bytes each rank sends per round (`comm.ring_traffic`)."""
-    n = memory.check_world(world)
-    if n < 2:
-        raise ValueError("a ring needs world >= 2 ranks")
-    states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
-    gap = 1.0
-    width = n * (n + gap) - gap
-    fig, axes = figure(1.3 + 0.55 * 2 * n, nrows=2)
-    halves = [("reduce-scatter", 0, "round k: rank r sends its partial sum of chunk "
-                                    "(r−k) mod N to rank r+1, which adds it to its own"),
-              ("all-gather", n - 1, "round k: rank r sends the complete chunk (r−k+1) mod N "
-                                    "to rank r+1, which keeps it")]
-    for ax, (name, first, rule) in zip(axes, halves):
-        bare(ax, width + 2.2, n)
-        ax.set_ylim(n + 0.1, -2.7)
-        for k in range(n):  # the state before the half, then after each of its rounds
-            index = first + k
-            title = ("start" if index == 0 else "after the reduce-scatter" if k == 0
-                     else f"round {k}")
-            _draw_ring_grid(ax, states[index], sends[index - 1] if k else [], n,
-                            2.2 + k * (n + gap), title)
-        for r in range(n):
-            ax.text(2.0, r + 0.5, f"rank {r}", ha="right", va="center", fontsize=SMALLEST_PT)
-        ax.text(0, -2.7, name, ha="left", va="top", fontsize=TITLE_PT, weight="bold")
-        ax.text(0, -1.75, rule, ha="left", va="top", fontsize=SMALLEST_PT)
-    per = ""
-    if numel is not None:
-        sent, _, rounds, round_bytes = comm.ring_traffic("reduce_scatter", numel, n, elem_size)
-        per = (f"\nΨ = {numel:,} elements of {elem_size} B: each round a rank sends one "
-               f"chunk, {_size(round_bytes)}; {_size(sent)} per half")
-    fig.suptitle(f"All-reduce on a ring of {n} = reduce-scatter ({n - 1} rounds), then "
-                 f"all-gather ({n - 1} rounds){per}", fontsize=TITLE_PT)
-    fig.text(0.5, 0.01, "columns: the tensor's chunks 0 to N−1; number and depth: how many "
-             "ranks' contributions a chunk sums; outlined: arrived", ha="center",
-             fontsize=SMALLEST_PT)
-    fig.subplots_adjust(left=0.01, right=0.99, top=0.9 if per else 0.94, bottom=0.05,
-                        hspace=0.08)
-    return fig
-
-
-def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
-                   interval: int = 1200):
-    """The same all-reduce as a ring of ranks, one frame per round: an arrow from each
-    rank to the next carries the chunk it sends. Show it with `viz.player_html`."""
-    import math
-
-    from matplotlib.animation import FuncAnimation
-
-    n = memory.check_world(world)
-    if n < 2:
-        raise ValueError("a ring needs world >= 2 ranks")
-    states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
-    bytes_text = ""
-    if numel is not None:
-        _, _, _, round_bytes = comm.ring_traffic("all_reduce", numel, n, elem_size)
-        bytes_text = f", {_size(round_bytes)}"
-    fig, ax = figure(4.6)
-    fig.subplots_adjust(left=0, right=1, top=0.88, bottom=0.02)
-    # an ellipse, wider than tall: each rank is a strip of N chunks
-    at = [(4.4 * math.sin(2 * math.pi * r / n), 3.1 * math.cos(2 * math.pi * r / n))
-          for r in range(n)]
-
-    def edge(r):
-        """Where an arrow leaves or meets rank r's strip: its side that faces the middle."""
-        x, y = at[r]
-        length = math.hypot(x, y)
-        dx, dy = -x / length, -y / length
-        t = min((n * 0.45 + 0.15) / abs(dx) if dx else math.inf,
-                0.65 / abs(dy) if dy else math.inf)
-        return x + t * dx, y + t * dy
-
-    def draw(k):
-        ax.clear()
-        ax.set_xlim(-7.5, 7.5)
-        ax.set_ylim(-4.4, 4.6)
-        ax.set_aspect("equal")
-        ax.set_axis_off()
-        held = states[k]
-        moving = sends[k - 1] if k else []
-        arrived = {(receiver, chunk) for _, receiver, chunk in moving}
-        for r, (x, y) in enumerate(at):
-            x0 = x - n * 0.45
-            for c in range(n):
-                count = len(held[r][c])
-                cell(ax, x0 + 0.9 * c, y - 0.45, rank_color(c) if count else "white",
-                     w=0.9, h=0.9, alpha=0.15 + 0.85 * count / n if count else 1.0,
-                     text=str(count) if count else "", edge="#BBBBBB")
-                if (r, c) in arrived:
-                    cell(ax, x0 + 0.9 * c + 0.05, y - 0.4, "none", w=0.8, h=0.8,
-                         edge="black", linewidth=1.8)
-            below = y < -0.5  # the label on the outer side, away from the arrows
-            ax.text(x, y - 0.55 if below else y + 0.55, f"rank {r}", ha="center",
-                    va="top" if below else "bottom", fontsize=SMALLEST_PT)
-        for sender, receiver, chunk in moving:
-            (x1, y1), (x2, y2) = edge(sender), edge(receiver)
-            ax.annotate("", xy=(x2, y2), xytext=(x1, y1),
-                        arrowprops={"arrowstyle": "-|>", "color": rank_color(chunk),
-                                    "lw": 2, "shrinkA": 3, "shrinkB": 3,
-                                    "connectionstyle": "arc3,rad=0.25"})
-            ax.text((x1 + x2) * 0.42, (y1 + y2) * 0.42, f"chunk {chunk}", ha="center",
-                    va="center", fontsize=SMALLEST_PT, color=rank_color(chunk),
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
-        if k == 0:
-            title = "start: each rank holds its own tensor, cut into N chunks (chunk 0 left)"
-        elif k < n:
-            title = (f"reduce-scatter, round {k} of {n - 1}: each rank adds the chunk that "
-                     f"arrives to its own copy")
-        else:
-            title = (f"all-gather, round {k - n + 1} of {n - 1}: each rank passes on the "
-                     f"complete chunk it received last")
-        ax.set_title(f"{title}\nthe number: how many ranks' contributions a chunk sums; "
-                     f"each arrow: one chunk{bytes_text}", fontsize=TITLE_PT)
-        return []
-
-    anim = FuncAnimation(fig, draw, frames=len(states), interval=interval, blit=False)
-    pyplot().close(fig)
-    return anim
-
 
 # ----------------------------------------------------------------------------- ZeRO-1
 
@@ -289,11 +103,11 @@ def zero1_step_figure(world: int = 4, psi: int | None = None,
     fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False,
                fontsize=SMALLEST_PT, handlelength=1.2, columnspacing=1.0)
     if data["sent"] is not None:
-        mb = {op: _size(b) for op, b in data["sent"].items()}
+        mb = {op: size_text(b) for op, b in data["sent"].items()}
         fig.suptitle(f"One ZeRO-1 step, N = {n}, Ψ = {psi:,}: each rank sends "
                      f"{mb['reduce_scatter']} in the reduce-scatter\nand "
                      f"{mb['all_gather']} in the all-gather; it holds "
-                     f"{_size(data['states'].total)} of model states "
+                     f"{size_text(data['states'].total)} of model states "
                      f"(rows per rank: parameters, gradients, optimizer)", fontsize=SMALLEST_PT)
     else:
         fig.suptitle(f"One ZeRO-1 step on {n} ranks: reduce-scatter, step the shard, "
@@ -456,6 +270,5 @@ def hsdp_mesh_figure(world: int = 8, shard_group: int = 4, psi: int | None = Non
     return fig
 
 
-__all__ = ["ring_sends", "ring_states", "ring_figure", "ring_animation", "zero1_step_data",
-           "zero1_step_figure", "stage_strategy", "stages_data", "stages_figure",
-           "hsdp_mesh_data", "hsdp_mesh_figure"]
+__all__ = ["CATEGORIES", "zero1_step_data", "zero1_step_figure", "stage_strategy",
+           "stages_data", "stages_figure", "hsdp_mesh_data", "hsdp_mesh_figure"]
