@@ -105,6 +105,9 @@ def test_the_ring_states_end_reduced_then_gathered(world):
 
 def test_the_ring_figure_and_its_animation_draw():
     check_readable(diagrams.ring_figure(4, numel=PSI))
+    check_readable(diagrams.ring_figure(8))
+    with pytest.raises(ValueError, match="2 to 8 ranks"):
+        diagrams.ring_animation(9)
     check_player(diagrams.ring_animation(3), frames=2 * (3 - 1) + 1)
     with pytest.raises(ValueError, match="use one of"):
         diagrams.ring_sends("broadcast", 4)

@@ -9,8 +9,8 @@ are `comm.ring_traffic`'s.
 from __future__ import annotations
 
 from shardlab import comm, memory
-from shardlab.diagrams.draw import (SMALLEST_PT, TITLE_PT, bare, cell, figure, pyplot,
-                                    rank_color, size_text)
+from shardlab.diagrams.draw import (MAX_WIDTH_IN, SMALLEST_PT, TITLE_PT, bare, cell,
+                                    figure, pyplot, rank_color, size_text)
 
 RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -72,46 +72,64 @@ def _draw_ring_grid(ax, held, sends, n, x0, title):
     ax.text(x0 + n / 2, -0.25, title, ha="center", va="bottom", fontsize=SMALLEST_PT)
 
 
-def ring_figure(world: int = 4, numel: int | None = None, elem_size: int = 2):
-    """An all-reduce on a ring of `world` ranks, round by round: the reduce-scatter's N-1
-    rounds on the first row, the all-gather's on the second. With `numel`, the titles
-    give the bytes each rank sends per round (`comm.ring_traffic`)."""
+MAX_DRAWN = 8  # ranks a ring diagram draws: past 8 its cells get too small for their digits
+
+
+def _check_drawn(world: int) -> int:
     n = memory.check_world(world)
-    if n < 2:
-        raise ValueError("a ring needs world >= 2 ranks")
+    if not 2 <= n <= MAX_DRAWN:
+        raise ValueError(f"a ring diagram draws 2 to {MAX_DRAWN} ranks, got world={world}; "
+                         f"the rule is the same on any ring")
+    return n
+
+
+def ring_figure(world: int = 4, numel: int | None = None, elem_size: int = 2):
+    """An all-reduce on a ring of `world` ranks, round by round: the reduce-scatter on
+    the first row, the all-gather on the second (past 4 ranks, rounds 1, 2 and the last
+    of each). With `numel`, the title gives the bytes each rank sends per round
+    (`comm.ring_traffic`)."""
+    n = _check_drawn(world)
     states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
-    gap = 1.0
-    width = n * (n + gap) - gap
-    fig, axes = figure(1.3 + 0.55 * 2 * n, nrows=2)
-    halves = [("reduce-scatter", 0, "round k: rank r sends its partial sum of chunk "
-                                    "(r−k) mod N to rank r+1, which adds it to its own"),
-              ("all-gather", n - 1, "round k: rank r sends the complete chunk (r−k+1) mod N "
-                                    "to rank r+1, which keeps it")]
-    for ax, (name, first, rule) in zip(axes, halves):
-        bare(ax, width + 2.2, n)
-        ax.set_ylim(n + 0.1, -2.7)
-        for k in range(n):  # the state before the half, then after each of its rounds
-            index = first + k
-            title = ("start" if index == 0 else "after the reduce-scatter" if k == 0
-                     else f"round {k}")
-            _draw_ring_grid(ax, states[index], sends[index - 1] if k else [], n,
-                            2.2 + k * (n + gap), title)
-        for r in range(n):
-            ax.text(2.0, r + 0.5, f"rank {r}", ha="right", va="center", fontsize=SMALLEST_PT)
-        ax.text(0, -2.7, name, ha="left", va="top", fontsize=TITLE_PT, weight="bold")
-        ax.text(0, -1.75, rule, ha="left", va="top", fontsize=SMALLEST_PT)
+    shown = [0] + (list(range(1, n)) if n <= 4 else [1, 2, n - 1])
+    gap, left = 1.0, 2.2
+    width = left + len(shown) * (n + gap) - gap
+    rows = n + 2.8  # the grid and, above it, its name, its rule and the panels' titles
+    inch = min(0.98 * MAX_WIDTH_IN / width, 0.4)  # one cell, in inches
     per = ""
     if numel is not None:
         sent, _, rounds, round_bytes = comm.ring_traffic("reduce_scatter", numel, n, elem_size)
         per = (f"\nΨ = {numel:,} elements of {elem_size} B: each round a rank sends one "
                f"chunk, {size_text(round_bytes)}; {size_text(sent)} per half")
-    fig.suptitle(f"All-reduce on a ring of {n} = reduce-scatter ({n - 1} rounds), then "
-                 f"all-gather ({n - 1} rounds){per}", fontsize=TITLE_PT)
-    fig.text(0.5, 0.01, "columns: the tensor's chunks 0 to N−1; number and depth: how many "
-             "ranks' contributions a chunk sums; outlined: arrived", ha="center",
+    top, bottom = (0.75 if per else 0.5), 0.3
+    height = top + bottom + 2 * rows * inch + 0.25
+    fig, axes = figure(height, nrows=2)
+    halves = [("reduce-scatter", 0, "round k: rank r sends its partial sum of chunk "
+                                    "(r−k) mod N to rank r+1, which adds it to its own"),
+              ("all-gather", n - 1, "round k: rank r sends the complete chunk (r−k+1) mod N "
+                                    "to rank r+1, which keeps it")]
+    for ax, (name, first, rule) in zip(axes, halves):
+        bare(ax, width, n)
+        ax.set_ylim(n + 0.1, -2.7)
+        ax.set_anchor("W")  # a small ring: the grids at the left, under their rules
+        for i, k in enumerate(shown):  # the state before the half, then after rounds
+            index = first + k
+            title = ("start" if index == 0 else "after the reduce-scatter" if k == 0
+                     else f"round {k}")
+            _draw_ring_grid(ax, states[index], sends[index - 1] if k else [], n,
+                            left + i * (n + gap), title)
+        for r in range(n):
+            ax.text(left - 0.2, r + 0.5, f"rank {r}", ha="right", va="center",
+                    fontsize=SMALLEST_PT)
+        ax.text(0, -2.7, name, ha="left", va="top", fontsize=TITLE_PT, weight="bold")
+        ax.text(0, -1.75, rule, ha="left", va="top", fontsize=SMALLEST_PT)
+    rounds = f"{n - 1} round{'s' if n > 2 else ''}"
+    fig.suptitle(f"All-reduce on a ring of {n} = reduce-scatter ({rounds}), then "
+                 f"all-gather ({rounds}){per}", fontsize=TITLE_PT)
+    fig.text(0.5, 0.01, "columns: chunks 0 to N−1; number and depth: how many ranks' "
+             "contributions a chunk sums; outlined: just arrived", ha="center",
              fontsize=SMALLEST_PT)
-    fig.subplots_adjust(left=0.01, right=0.99, top=0.9 if per else 0.94, bottom=0.05,
-                        hspace=0.08)
+    fig.subplots_adjust(left=0.01, right=0.99, top=1 - top / height,
+                        bottom=bottom / height, hspace=0.1)
     return fig
 
 
@@ -123,9 +141,7 @@ def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
 
     from matplotlib.animation import FuncAnimation
 
-    n = memory.check_world(world)
-    if n < 2:
-        raise ValueError("a ring needs world >= 2 ranks")
+    n = _check_drawn(world)
     states, sends = ring_states("all_reduce", n), ring_sends("all_reduce", n)
     bytes_text = ""
     if numel is not None:
@@ -133,6 +149,7 @@ def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
         bytes_text = f", {size_text(round_bytes)}"
     fig, ax = figure(4.6)
     fig.subplots_adjust(left=0, right=1, top=0.88, bottom=0.02)
+    w = min(0.9, 3.6 / n)  # a chunk's width: a rank's strip at most 3.6 wide
     # an ellipse, wider than tall: each rank is a strip of N chunks
     at = [(4.4 * math.sin(2 * math.pi * r / n), 3.1 * math.cos(2 * math.pi * r / n))
           for r in range(n)]
@@ -142,7 +159,7 @@ def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
         x, y = at[r]
         length = math.hypot(x, y)
         dx, dy = -x / length, -y / length
-        t = min((n * 0.45 + 0.15) / abs(dx) if dx else math.inf,
+        t = min((n * w / 2 + 0.15) / abs(dx) if dx else math.inf,
                 0.65 / abs(dy) if dy else math.inf)
         return x + t * dx, y + t * dy
 
@@ -156,14 +173,14 @@ def ring_animation(world: int = 4, numel: int | None = None, elem_size: int = 2,
         moving = sends[k - 1] if k else []
         arrived = {(receiver, chunk) for _, receiver, chunk in moving}
         for r, (x, y) in enumerate(at):
-            x0 = x - n * 0.45
+            x0 = x - n * w / 2
             for c in range(n):
                 count = len(held[r][c])
-                cell(ax, x0 + 0.9 * c, y - 0.45, rank_color(c) if count else "white",
-                     w=0.9, h=0.9, alpha=0.15 + 0.85 * count / n if count else 1.0,
+                cell(ax, x0 + w * c, y - 0.45, rank_color(c) if count else "white",
+                     w=w, h=0.9, alpha=0.15 + 0.85 * count / n if count else 1.0,
                      text=str(count) if count else "", edge="#BBBBBB")
                 if (r, c) in arrived:
-                    cell(ax, x0 + 0.9 * c + 0.05, y - 0.4, "none", w=0.8, h=0.8,
+                    cell(ax, x0 + w * c + 0.05, y - 0.4, "none", w=w - 0.1, h=0.8,
                          edge="black", linewidth=1.8)
             below = y < -0.5  # the label on the outer side, away from the arrows
             ax.text(x, y - 0.55 if below else y + 0.55, f"rank {r}", ha="center",
