@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from shardlab import comm, memory
 from shardlab.cards import OURS, card, names
-from shardlab.diagrams.draw import (COLORS, LABELS, SMALLEST_PT, TITLE_PT, bare, cell,
-                                    figure, legend_patches, rank_color, size_text)
+from shardlab.diagrams.draw import (COLORS, LABELS, MAX_WIDTH_IN, SMALLEST_PT, TITLE_PT,
+                                    bare, cell, figure, legend_patches, rank_color,
+                                    size_text)
 from shardlab.hsdp import hsdp_rank_lists
 
 CATEGORIES = ("params", "grads", "optimizer")
@@ -227,13 +228,21 @@ def hsdp_mesh_figure(world: int = 8, shard_group: int = 4, psi: int | None = Non
     data = hsdp_mesh_data(world, shard_group, psi, bytes_per_elem)
     grid = data["grid"]
     rows, cols = len(grid), len(grid[0])
-    left = 3.3  # room for the row labels, in cells
-    fig, ax = figure(1.6 + 0.75 * rows)
-    bare(ax, left + 1.3 * cols + 2.6, 1.3 * rows + 2.2)
-    ax.set_ylim(1.3 * rows + 2.2, -0.6)
+    if cols > 8:
+        raise ValueError(f"the mesh diagram draws shard groups of at most 8 ranks, got "
+                         f"{cols}; the rule is the same for any S")
+    left = 1.6  # room for the row labels, in cells
+    width, depth = left + 1.3 * cols, 1.3 * rows + 0.9
+    inch = min(0.98 * MAX_WIDTH_IN / width, 0.75)  # one cell, in inches
+    top, bottom = 0.45, 0.95
+    height = top + bottom + depth * inch
+    fig, ax = figure(height)
+    bare(ax, width, depth)
+    ax.set_ylim(depth - 0.1, -0.2)
+    ax.set_anchor("W")
     for j in range(cols):  # a replicate group: one rank of each node, the same shard
         x = left + 1.3 * j
-        ax.add_patch(FancyBboxPatch((x, -0.1), 1.1, 1.3 * rows - 0.1,
+        ax.add_patch(FancyBboxPatch((x, -0.05), 1.1, 1.3 * rows - 0.15,
                                     boxstyle="round,pad=0.06", facecolor=rank_color(j),
                                     alpha=0.18, edgecolor=rank_color(j), linewidth=1.5))
         ax.text(x + 0.55, 1.3 * rows - 0.05, f"replicate\ngroup {j}", ha="center", va="top",
@@ -242,31 +251,26 @@ def hsdp_mesh_figure(world: int = 8, shard_group: int = 4, psi: int | None = Non
         ax.add_patch(FancyBboxPatch((left - 0.1, 1.3 * i), 1.3 * cols - 0.1, 0.9,
                                     boxstyle="round,pad=0.08", facecolor="none",
                                     edgecolor="black", linewidth=1.2))
-        ax.text(left - 0.35, 1.3 * i + 0.45, f"node {i}, shard group\n{ranks}", ha="right",
+        ax.text(left - 0.3, 1.3 * i + 0.45, f"node {i}:\nshard\ngroup", ha="right",
                 va="center", fontsize=SMALLEST_PT)
         for j, rank in enumerate(ranks):
             cell(ax, left + 1.3 * j + 0.05, 1.3 * i + 0.05, rank_color(j), w=1.0, h=0.8,
                  text=f"rank {rank}\nshard {j}", text_color="white")
-    right = left + 1.3 * cols + 0.2
     volumes = data["volumes"]
-    along = f"{volumes['intra-node'] / 1e9:,.2f} GB" if volumes else "3Ψ(S−1)/S"
-    across = f"{volumes['inter-node'] / 1e9:,.2f} GB" if volumes else "2Ψ(R−1)/(RS)"
-    ax.text(right, 0.45 if rows > 1 else 0.2,
-            f"along a row:\nall-gather ×2,\nreduce-scatter\n{along} a rank", ha="left",
-            va="center", fontsize=SMALLEST_PT)
-    ax.text(right, 1.3 * rows - 0.4 if rows > 1 else 0.9,
-            f"down a column:\nall-reduce of\nthe Ψ/S shard\n{across} a rank", ha="left",
-            va="center", fontsize=SMALLEST_PT)
-    ax.text(0, 1.3 * rows + 1.0,
-            f"Inside a node, FSDP over the S = {cols} ranks of a shard group; across "
-            f"nodes, only the all-reduce of each\ngradient shard over the R = {rows} ranks "
-            f"that hold the same shard (bytes: one rank's, per step, on rings)",
-            ha="left", va="top", fontsize=SMALLEST_PT)
+    along = (f"{volumes['intra-node'] / 1e9:,.2f} GB" if volumes else "3Ψ(S−1)/S")
+    across = (f"{volumes['inter-node'] / 1e9:,.2f} GB" if volumes else "2Ψ(R−1)/(RS)")
+    fig.text(0.01, 0.85 / height,
+             f"along a row (inside a node): FSDP over the S = {cols} ranks of the shard "
+             f"group, all-gather in\n    forward and backward, reduce-scatter of the "
+             f"gradients: {along} a rank and step\n"
+             f"down a column (across nodes): all-reduce of each rank's Ψ/S gradient shard "
+             f"over the\n    R = {rows} ranks that hold the same shard: {across} a rank and "
+             f"step", ha="left", va="top", fontsize=SMALLEST_PT)
     title = f"HSDP on {world} ranks: {rows} shard groups of {cols}, {cols} replicate groups"
     if psi is not None:
         title += f" (Ψ = {psi:,}, {bytes_per_elem} B an element)"
-    ax.set_title(title, fontsize=TITLE_PT)
-    fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
+    fig.suptitle(title, fontsize=TITLE_PT, x=0.01, ha="left")
+    fig.subplots_adjust(left=0.01, right=0.99, top=1 - top / height, bottom=bottom / height)
     return fig
 
 

@@ -167,7 +167,8 @@ def step_memory_figure(model="llama-2-7b", world: int = 8, stages=(0, 3), batch:
 
     runs = [step_memory_data(model, world, s, batch, seq, precision, optimizer,
                              checkpointing) for s in stages]
-    fig, axes = figure(1.2 + 1.75 * len(runs), nrows=len(runs), sharey=True)
+    height = 1.45 + 1.75 * len(runs)
+    fig, axes = figure(height, nrows=len(runs), sharey=True)
     axes = list(axes) if len(runs) > 1 else [axes]
     top = max(_total(e) for r in runs for e in r["events"]) / UNITS[unit]
     for ax, data in zip(axes, runs):
@@ -192,7 +193,8 @@ def step_memory_figure(model="llama-2-7b", world: int = 8, stages=(0, 3), batch:
                  f"{data['model']}, N = {data['world']},\n{data['batch']} × "
                  f"{data['seq']:,} tokens, {data['precision']}, recomputation "
                  f"{data['checkpointing']}", fontsize=TITLE_PT)
-    fig.subplots_adjust(left=0.1, right=0.98, top=0.84, bottom=0.17, hspace=0.45)
+    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.75 / height, bottom=0.7 / height,
+                        hspace=0.5)
     return fig
 
 
