@@ -311,7 +311,10 @@ def parallelism_figure(model: str = "mixtral-8x7b", degree: int = 4, seq: int = 
     layers, of one layer's weights and of its activations (grey: every GPU, whole)."""
     data = parallelism_data(model, degree, seq)
     rows = data["parallelisms"]
-    fig, axes = figure(1.1 + 1.0 * len(rows), nrows=len(rows), ncols=5,
+    ncol = min(degree + 1, 6)
+    top, bottom = 0.95, 0.15 + 0.22 * math.ceil((degree + 1) / ncol)
+    height = top + bottom + 1.0 * len(rows)
+    fig, axes = figure(height, nrows=len(rows), ncols=5,
                        gridspec_kw={"width_ratios": [1.0, 1, 1, 1, 2.6]})
     for k, (name, d) in enumerate(rows.items()):
         label, *grids, text = axes[k]
@@ -331,13 +334,13 @@ def parallelism_figure(model: str = "mixtral-8x7b", degree: int = 4, seq: int = 
                   ha="left", va="center", fontsize=SMALLEST_PT, transform=text.transAxes)
     fig.legend(handles=legend_patches([(f"GPU {g}", rank_color(g)) for g in range(degree)]
                                       + [("every GPU", EVERY_GPU)]),
-               loc="lower center", ncol=degree + 1, frameon=False, fontsize=SMALLEST_PT)
+               loc="lower center", ncol=ncol, frameon=False, fontsize=SMALLEST_PT)
     experts = f", {data['experts']} experts" if data["experts"] > 1 else ""
     fig.suptitle(f"What each parallelism of degree {degree} cuts: {data['model']} "
                  f"({data['layers']} layers{experts}, {data['seq']:,} tokens)",
                  fontsize=TITLE_PT)
-    fig.subplots_adjust(left=0.01, right=0.99, top=0.83, bottom=0.08, wspace=0.12,
-                        hspace=0.25)
+    fig.subplots_adjust(left=0.01, right=0.99, top=1 - top / height,
+                        bottom=bottom / height, wspace=0.12, hspace=0.25)
     return fig
 
 
