@@ -116,28 +116,31 @@ _ENDED = {"returned": "left the code", "raised": "raised", "running": "stopped i
 
 
 def hang_figure(dumps, diagnosis=None, last: int = 6):
-    """`hang_data` drawn: a lane per rank, its last `last` collectives of the group in
-    the order it called them (seq), each finished (solid) or never finished (hatched:
-    where the rank waits); the seq where the diagnosis points is marked, and the ranks
-    it names are in red."""
+    """`hang_data` drawn: a lane per rank, its collectives of the group in the order it
+    called them (seq), from the one before the diagnosis's seq or the `last` ones, each
+    finished (solid) or never finished (hatched: where the rank waits); the seq where
+    the diagnosis points is marked, and the ranks it names are in red."""
     data = hang_data(dumps, diagnosis)
     seqs = [e["seq"] for r in data["ranks"].values() for e in r["entries"]]
     high = max(seqs, default=0)
-    low = max(min(seqs, default=0), high - last + 1)
+    low = max(min(seqs, default=0), min(high - last + 1, data["seq"] - 1))
+    narrow = high - low + 1 > 5  # long names on two lines, to fit their boxes
     lanes = list(data["ranks"].items())
-    fig, ax = figure(1.8 + 0.6 * len(lanes))
+    fig, ax = figure(2.3 + 0.65 * len(lanes))
     for i, (rank, lane) in enumerate(lanes):
         y = len(lanes) - 1 - i
         shown = [e for e in lane["entries"] if e["seq"] >= low]
         for e in shown:
-            kind = report.op_kind(e["op"])
-            color = COLLECTIVE_COLORS[kind]
+            color = COLLECTIVE_COLORS[report.op_kind(e["op"])]
             ax.add_patch(pyplot().Rectangle(
-                (e["seq"] - 0.45, y + 0.1), 0.9, 0.75, facecolor=color if e["finished"]
+                (e["seq"] - 0.45, y + 0.05), 0.9, 0.85, facecolor=color if e["finished"]
                 else "white", edgecolor=color, hatch=None if e["finished"] else "///",
                 linewidth=1.5))
-            ax.text(e["seq"], y + 0.47, f"{kind.replace('_', '-')}\n{e['numel']:,}, "
-                    f"step {e['step']}", ha="center", va="center", fontsize=SMALLEST_PT,
+            name = e["op"].removeprefix("ring_").replace("_", "-")
+            if narrow:
+                name = name.replace("reduce-", "reduce-\n")
+            ax.text(e["seq"], y + 0.47, f"{name}\n{e['numel']:,}\nstep {e['step']}",
+                    ha="center", va="center", fontsize=SMALLEST_PT,
                     color="white" if e["finished"] else "black",
                     bbox=None if e["finished"] else {"facecolor": "white", "pad": 0.5,
                                                      "edgecolor": "none"})
@@ -148,8 +151,8 @@ def hang_figure(dumps, diagnosis=None, last: int = 6):
         ax.text(end, y + 0.47, how, ha="left", va="center", fontsize=SMALLEST_PT,
                 color="gray")
     ax.axvline(data["seq"], color="#C44E52", ls="--", lw=1, zorder=0)
-    ax.set_xlim(low - 0.6, high + 1.6)
-    ax.set_ylim(-0.2, len(lanes))
+    ax.set_xlim(low - 0.6, high + 1.7)
+    ax.set_ylim(-0.05, len(lanes))
     ax.set_xticks(range(low, high + 1))
     ax.set_xlabel(f"collectives of group {data['group']!r}, in the order each rank called "
                   f"them (seq)", fontsize=SMALLEST_PT)
@@ -160,15 +163,14 @@ def hang_figure(dumps, diagnosis=None, last: int = 6):
             label.set_color("#C44E52")
             label.set_weight("bold")
     ax.spines[["top", "right", "left"]].set_visible(False)
-    first = data["text"].split(". ")[0] + "."
     suspects = ", ".join(str(r) for r in data["suspects"])
     ax.set_title(f"The flight recorders: {data['cause']} at seq {data['seq']}, look at "
                  f"rank {suspects} (hatched: called, never finished)", loc="left",
                  fontsize=TITLE_PT)
-    fig.text(0.01, 0.01, textwrap.fill(first, 118), ha="left", va="bottom",
-             fontsize=SMALLEST_PT)
-    fig.tight_layout(rect=(0, 0.04 + 0.035 * first.count("\n") + 0.03 * (len(first) // 118),
-                           1, 1))
+    lines = textwrap.wrap(data["text"].split(". ")[0] + ".", 100)
+    fig.text(0.01, 0.02, "\n".join(lines), ha="left", va="bottom", fontsize=SMALLEST_PT)
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, (0.15 + 0.16 * len(lines)) / height, 1, 1))
     return fig
 
 
