@@ -137,7 +137,7 @@ def test_the_zero1_step_reduces_steps_the_own_chunk_then_gathers():
 
 def test_each_stage_holds_what_its_formula_counts_and_runs_its_card_s_collectives():
     world = 4
-    rows = diagrams.stages_data(PSI, world)
+    rows = diagrams.holdings_data(PSI, world)
     for stage, row in enumerate(rows):
         assert row["states"] == memory.model_states(PSI, world, stage)
         per = memory.bytes_per_param().as_dict()
@@ -149,7 +149,7 @@ def test_each_stage_holds_what_its_formula_counts_and_runs_its_card_s_collective
             set(card(row["strategy"]).schedule)
         assert card(row["strategy"]).zero_stage in (stage, None)
     assert [len(r["chunks"][0]["params"]) for r in rows] == [world, world, world, 1]
-    check_readable(diagrams.stages_figure(PSI, world))
+    check_readable(diagrams.holdings_figure(PSI, world))
 
 
 def test_the_hsdp_mesh_is_the_groups_hsdp_builds():
@@ -288,7 +288,7 @@ def test_memory_figure_and_the_zero3_step_animation_draw():
     check_readable(diagrams.step_memory_figure())
     one_layer = dataclasses.replace(memory.get_model("llama-2-7b"), layers=1)
     frames = len(diagrams.step_memory_data(one_layer, 8, 3)["events"])
-    check_player(diagrams.step_animation(layers=1), frames=frames)
+    check_player(diagrams.zero3_step_animation(layers=1), frames=frames)
 
 
 # ----------------------------------------------------------------------------- a straggler

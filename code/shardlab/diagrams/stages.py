@@ -134,7 +134,7 @@ def stage_strategy(stage: int) -> str:
     return "ddp" if stage == 0 else names(family=OURS, zero_stage=stage)[0]
 
 
-def stages_data(psi: int, world: int = 4, precision: str = "bf16-mixed",
+def holdings_data(psi: int, world: int = 4, precision: str = "bf16-mixed",
                 optimizer: str = "adamw") -> list[dict]:
     """For each stage: its strategy, the bytes per rank (`memory.model_states`), which
     chunks of each category rank r holds (all N where the formula keeps the full Ψ, its
@@ -157,14 +157,14 @@ def stages_data(psi: int, world: int = 4, precision: str = "bf16-mixed",
     return out
 
 
-def stages_figure(psi: int, world: int = 4, precision: str = "bf16-mixed",
+def holdings_figure(psi: int, world: int = 4, precision: str = "bf16-mixed",
                   optimizer: str = "adamw", unit: str = "GB"):
-    """`stages_data` drawn: a column per stage, each rank a block of three rows of N
+    """`holdings_data` drawn: a column per stage, each rank a block of three rows of N
     chunks (filled where it holds them), the bytes per rank above, and below, which
     collectives run in forward, backward and the optimizer step."""
     from shardlab.viz import UNITS
 
-    rows = stages_data(psi, world, precision, optimizer)
+    rows = holdings_data(psi, world, precision, optimizer)
     n = memory.check_world(world)
     fig, axes = figure(2.6 + 0.62 * n, ncols=4)
     for ax, row in zip(axes, rows):
@@ -275,4 +275,4 @@ def hsdp_mesh_figure(world: int = 8, shard_group: int = 4, psi: int | None = Non
 
 
 __all__ = ["CATEGORIES", "zero1_step_data", "zero1_step_figure", "stage_strategy",
-           "stages_data", "stages_figure", "hsdp_mesh_data", "hsdp_mesh_figure"]
+           "holdings_data", "holdings_figure", "hsdp_mesh_data", "hsdp_mesh_figure"]

@@ -198,7 +198,7 @@ def step_memory_figure(model="llama-2-7b", world: int = 8, stages=(0, 3), batch:
     return fig
 
 
-def step_animation(model="llama-2-7b", world: int = 8, layers: int | None = 4,
+def zero3_step_animation(model="llama-2-7b", world: int = 8, layers: int | None = 4,
                    batch: int = 1, seq: int = 4096, precision: str = "bf16-mixed",
                    optimizer: str = "adamw", checkpointing: str = "none",
                    unit: str = "GB", interval: int = 700):
@@ -261,4 +261,4 @@ def step_animation(model="llama-2-7b", world: int = 8, layers: int | None = 4,
 
 
 __all__ = ["MEMORY_PARTS", "MEMORY_COLORS", "step_memory_data", "compute_events",
-           "step_memory_figure", "step_animation"]
+           "step_memory_figure", "zero3_step_animation"]
