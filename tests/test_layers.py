@@ -38,6 +38,8 @@ LAYERS = {
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
     4: {"viz", "report", "gpu_record",
+        "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
+        "diagrams.step_memory", "diagrams.timelines",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},

@@ -273,6 +273,14 @@ __all__ = ["stacked_bars", "draw_stages", "stages_figure", "stages_animation",
            "predicted_vs_measured_figure", "per_rank_figure", "explorer"]
 
 
+# The loop's phases (`shardlab.clock`) and the collectives' kinds (`report.op_kind`), one
+# colour each in every timeline of the course.
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
+                "injected delay": "#BBBBBB"}
+COLLECTIVE_COLORS = {"all_gather": "#DD8452", "reduce_scatter": "#C44E52",
+                     "all_reduce": "#937860", "other": "#DA8BC3"}
+
+
 def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
     """One step of every rank, drawn from `shardlab.report.step_timeline`: per rank a lane
     of what the loop computed and a lane of the collectives in flight, with the exposed
@@ -281,10 +289,7 @@ def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    compute = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
-               "injected delay": "#BBBBBB"}
-    comms = {"all_gather": "#DD8452", "reduce_scatter": "#C44E52", "all_reduce": "#937860",
-             "other": "#DA8BC3"}
+    compute, comms = PHASE_COLORS, COLLECTIVE_COLORS
     if ax is None:
         _, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 0.6 + 1.1 * len(timeline)), dpi=DPI)
     labels = []
@@ -318,7 +323,7 @@ def step_timeline_figure(timeline: Sequence[dict], title: str = "", ax=None):
     return ax
 
 
-__all__.append("step_timeline_figure")
+__all__ += ["step_timeline_figure", "PHASE_COLORS", "COLLECTIVE_COLORS"]
 
 
 def profiled_spans(trace_path) -> dict[str, list[tuple[str, float, float]]]:
