@@ -4,12 +4,13 @@ In a lab, a "Predict" prompt names the variables; you fill them in the cell belo
 start as `None`); after the run, a check cell calls
 
     from graders.predictions import check
-    check({"all_reduce": prediction["all_reduce"]}, {"all_reduce": seen_all_reduce})
+    check(prediction_rank_2, measured_rank_2)     # two dicts: yours, and the run's
 
 which prints, for each name, `✓ all_reduce: [10, 20, 30, 40]` or
-`✗ all_reduce: yours None, the run measured [10, 20, 30, 40]`. Integers (bytes, counts) must
-be exact; floats agree within `rel` of the measurement; words ignore case and spaces at the
-ends; lists, tuples and dicts agree element by element.
+`✗ all_reduce: yours None, the run measured [10, 20, 30, 40]`, a line per key when the
+measurement is a dict (`✓ zero2 grads: 80,384`). Integers (bytes, counts) must be exact;
+floats agree within `rel` of the measurement; words ignore case and spaces at the ends;
+lists and tuples agree element by element.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ def shown(value: Any) -> str:
 
 def check(yours: dict[str, Any], measured: dict[str, Any], rel: float = 0.0,
           source: str = "the run measured") -> None:
-    """Print one line per name in `measured`: ✓ and the value, or ✗, yours, and `source`'s."""
+    """Print one line per name in `measured`: ✓ and the value, or ✗, yours, and `source`'s.
+    A name whose measurement is a dict (a strategy's bytes by category) gets a line per key."""
     for name, truth in measured.items():
         mine = yours.get(name) if isinstance(yours, dict) else None
-        if agrees(mine, truth, rel):
+        if isinstance(truth, dict):
+            check({f"{name} {k}": mine.get(k) if isinstance(mine, dict) else None
+                   for k in truth}, {f"{name} {k}": v for k, v in truth.items()}, rel, source)
+        elif agrees(mine, truth, rel):
             print(f"✓ {name}: {shown(truth)}")
         else:
             print(f"✗ {name}: yours {shown(mine)}, {source} {shown(truth)}")
