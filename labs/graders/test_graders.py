@@ -1,7 +1,7 @@
 """Each grader passes its lab's worked solution, rejects every typical mistake of its catalogue
 (`graders/wrong.py`) with that mistake's own hint, and rejects the wrong answers its rules
 catch, in one launch per exercise: `pytest labs/graders -k ring` (or ddp, zero1, fsdp_unit,
-checkpoint, rows).
+checkpoint, rows, units).
 
 The solutions are read from the labs' solution cells (graders/solutions.py), so what is
 graded here is what a reader reveals."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from graders import checkpoint, ddp, fsdp_unit, ring, rows, solutions, wrong, zero1
+from graders import checkpoint, ddp, fsdp_unit, ring, rows, solutions, units, wrong, zero1
 from graders.common import PASS, grade_on_ranks
 
 EXERCISES = {
@@ -32,6 +32,8 @@ EXERCISES = {
                    "rank 1, tensor 'weight' loaded: element 0 (bytes 0-3)"),
     "rows": (rows, 2, "10-pretrained-into-shards.ipynb", ("read_my_rows",), wrong.ROWS, {},
              "rank 0, embed.weight: returned shape (2, 4), fully_shard's shard has (3, 4)"),
+    "units": (units, 2, "09-your-own-model.ipynb", ("my_units",), wrong.UNITS, {},
+              "hf-gpt2: unit 0 has"),
 }
 
 
