@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from graders import wrong
 from graders.common import agree, call, first_difference, grade_on_ranks, run_each, show
 
 
@@ -49,23 +50,30 @@ def _with_dcp(mine: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Ten
     return {k: v.to_local() for k, v in back.items()}
 
 
+def _saved_and_loaded(answer: tuple, mine: dict, folder: str):
+    """What `answer`'s load reads back, every rank having saved its `mine` into `folder`."""
+    save_sharded, load_sharded = answer
+    call("save_sharded(shard, folder)", save_sharded, {k: v.clone() for k, v in mine.items()},
+         folder)
+    dist.barrier()                       # every rank has written before any reads
+    return call("load_sharded(folder)", load_sharded, folder)
+
+
 def check_one(candidate: tuple, root: str) -> None:
-    save_sharded, load_sharded = candidate
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = shard_of(rank)
     folder = os.path.join(root, "yours")
     reference = _with_dcp(mine, os.path.join(root, "dcp"))
-    call("save_sharded(shard, folder)", save_sharded, {k: v.clone() for k, v in mine.items()},
-         folder)
-    dist.barrier()                       # every rank has written before any reads
-    back = call("load_sharded(folder)", load_sharded, folder)
+    back = _saved_and_loaded(candidate, mine, folder)
     problem = None if isinstance(back, dict) else f"load_sharded returned a {type(back)}"
     if problem is None and set(back) != set(mine):
         problem = f"load_sharded returned keys {sorted(back)}, saved {sorted(mine)}"
     agree(problem)
     for name in mine:
         problem = first_difference(back[name], reference[name], "DCP's load")
-        agree(problem and f"tensor {name!r} loaded: {problem}")
+        agree(problem and f"tensor {name!r} loaded: {problem}", got=back,
+              mistakes=wrong.CHECKPOINT,
+              rerun=lambda answer: _saved_and_loaded(answer, mine, _fresh(root)))
     total = sum(v.numel() * v.element_size() for r in range(world)
                 for v in shard_of(r).values())
     written = _bytes_in(folder)

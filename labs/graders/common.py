@@ -1,14 +1,19 @@
 """What every grader shares: launch the check on N ranks, agree on the first failure, say it
-in one line (which rank, which step, which bytes).
+in one line (which rank, which step, which bytes), and why, when it is a known mistake.
 
 A grader's check runs on every rank and compares as it goes. At each comparison the ranks
 exchange what they found (`agree`), so that all of them stop at the same place when one
 finds a difference: a rank that stopped alone would leave its peers waiting in a collective.
+
+At the first difference, the ranks also run the catalogue of typical mistakes
+(`graders/wrong.py`) on the inputs your code had: if your output equals one mistake's on
+every rank, the line ends with that mistake's hint ("the sum over 2 ranks, not the mean").
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,14 +27,60 @@ class Wrong(Exception):
     """What is wrong with the graded code, on this rank, in one line."""
 
 
-def agree(problem: str | None) -> None:
+@dataclass(frozen=True)
+class Mistake:
+    """A wrong answer a reader could write (the same functions or class the exercise asks
+    for), and the hint a grader adds when yours gives the same output: `{world}` in it is
+    replaced by the number of ranks."""
+    answer: Any
+    hint: str
+
+
+def agree(problem: str | None, *, got: Any = None, mistakes: Sequence[Mistake] = (),
+          rerun: Callable[[Any], Any] | None = None, atol: float = 0.0,
+          rtol: float = 0.0) -> None:
     """Every rank says what it found; if any found a problem, every rank raises the first
-    rank's (rank order), so that all stop together."""
+    rank's (rank order), so that all stop together.
+
+    With `mistakes`, the ranks first run `rerun(mistake.answer)` for each (the same inputs
+    that gave your output `got`): the first mistake whose output equals yours on every rank,
+    within `atol` and `rtol`, adds its hint to the line."""
     found: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(found, problem)
     for rank, message in enumerate(found):
         if message is not None:
-            raise Wrong(f"rank {rank}, {message}")
+            hint = which_mistake(got, mistakes, rerun, atol, rtol) if mistakes else None
+            raise Wrong(f"rank {rank}, {message}" + (f"; {hint}" if hint else ""))
+
+
+def which_mistake(got: Any, mistakes: Sequence[Mistake], rerun: Callable[[Any], Any],
+                  atol: float = 0.0, rtol: float = 0.0) -> str | None:
+    """The hint of the first mistake whose output equals `got` on every rank, or None. Every
+    rank runs every mistake, in the same order: a mistake calls collectives as an answer
+    does, so a rank that skipped one would leave the others waiting."""
+    for mistake in mistakes:
+        try:
+            same = same_output(got, rerun(mistake.answer), atol, rtol)
+        except Exception:  # noqa: BLE001 - a mistake that cannot run here is not yours
+            same = False
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, same)
+        if all(everyone):
+            return mistake.hint.format(world=dist.get_world_size())
+    return None
+
+
+def same_output(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> bool:
+    """Whether two outputs are the same: tensors of one shape and dtype whose values agree
+    within the tolerances, or dicts, lists and tuples of such, or equal plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and first_difference(a, b, "", atol, rtol) is None)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_output(a[k], b[k], atol, rtol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_output(x, y, atol, rtol) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def call(what: str, fn: Callable, *args: Any) -> Any:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.ddp import BucketedDataParallel, make_buckets
+from graders import wrong
 from graders.common import agree, call, first_difference, grade_on_ranks, run_each, show
 from graders.models import batch, loss_of, tiny_mlp
 
@@ -43,6 +44,24 @@ class _CountAllReduce:
 
     def __exit__(self, *exc):
         dist.all_reduce = self.original
+
+
+def _grads_at(answer, step: int, bucket_mb: float) -> dict[str, torch.Tensor]:
+    """The gradients `answer` (a DDP class) leaves at `step`, trained as the graded class is:
+    the same model, batches and SGD steps."""
+    model = tiny_mlp()
+    wrapped = answer(model, bucket_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(step + 1):
+        x, y = batch(s, 8, 4)
+        loss_of(wrapped, x, y).backward()
+        finish = getattr(wrapped, "finish_gradient_synchronization", None)
+        if finish is not None:
+            finish()
+        if s < step:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def check_one(my_ddp_class, bucket_mb: float = BUCKET_MB, steps: int = STEPS) -> None:
@@ -76,7 +95,9 @@ def check_one(my_ddp_class, bucket_mb: float = BUCKET_MB, steps: int = STEPS) ->
                                  course_model.parameters()):
             assert torch.allclose(q.grad, r.grad, atol=1e-6), "course's DDP differs"
             problem = first_difference(p.grad, q.grad, "PyTorch's DDP", atol=1e-6, rtol=1e-5)
-            agree(problem and f"step {step}, gradient of {name}: {problem}")
+            agree(problem and f"step {step}, gradient of {name}: {problem}", got=p.grad,
+                  mistakes=wrong.DDP, atol=1e-6, rtol=1e-5,
+                  rerun=lambda answer: _grads_at(answer, step, bucket_mb)[name])
         agree(None if counter.calls == buckets else
               f"step {step}: {counter.calls} all-reduce calls, one per bucket of "
               f"{bucket_mb} MB is {buckets} (the course's make_buckets)")

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardlab.fsdp import fully_shard as course_fully_shard
+from graders import wrong
 from graders.common import agree, call, first_difference, grade_on_ranks, run_each, show
 from graders.models import batch, loss_of, uneven_mlp
 
@@ -43,24 +44,29 @@ def check_one(candidate: tuple) -> None:
     for (name, full), theirs in zip(model.named_parameters(), torch_model.parameters()):
         rows = theirs.to_local().shape[0]            # PyTorch's rows here (no padding)
         shard = call(f"reshard({name})", reshard, full.detach().clone())
+        hints = {"got": shard, "mistakes": wrong.FSDP_UNIT,
+                 "rerun": lambda answer: answer[0](full.detach().clone())}
         problem = first_difference(shard, course[name].detach(),
                                    "the course's padded shard")
-        agree(problem and f"reshard({name}): {problem}")
+        agree(problem and f"reshard({name}): {problem}", **hints)
         problem = first_difference(shard[:rows], theirs.to_local().detach(),
                                    "PyTorch's fully_shard")
-        agree(problem and f"reshard({name}), PyTorch's rows: {problem}")
+        agree(problem and f"reshard({name}), PyTorch's rows: {problem}", **hints)
         gathered = call(f"unshard({name})", unshard, shard.clone(), full.shape[0])
         problem = first_difference(gathered, theirs.full_tensor().detach(),
                                    "PyTorch's full_tensor()")
-        agree(problem and f"unshard({name}): {problem}")
+        agree(problem and f"unshard({name}): {problem}", got=gathered, mistakes=wrong.FSDP_UNIT,
+              rerun=lambda answer: answer[1](shard.clone(), full.shape[0]))
         reduced = call(f"reduce_scatter_grad({name})", reduce_scatter_grad,
                        full.grad.clone())
+        hints = {"got": reduced, "mistakes": wrong.FSDP_UNIT, "atol": 1e-6, "rtol": 1e-5,
+                 "rerun": lambda answer: answer[2](full.grad.clone())}
         problem = first_difference(reduced, course[name].grad, "the course's sharded "
                                    "gradient", atol=1e-6, rtol=1e-5)
-        agree(problem and f"reduce_scatter_grad({name}): {problem}")
+        agree(problem and f"reduce_scatter_grad({name}): {problem}", **hints)
         problem = first_difference(reduced[:rows], theirs.grad.to_local(),
                                    "PyTorch's sharded gradient", atol=1e-6, rtol=1e-5)
-        agree(problem and f"reduce_scatter_grad({name}), PyTorch's rows: {problem}")
+        agree(problem and f"reduce_scatter_grad({name}), PyTorch's rows: {problem}", **hints)
 
 
 def check(candidates: list) -> list:

@@ -2,7 +2,8 @@
 the course's ring (`shardlab.comm`), for uneven lengths and two dtypes, bit for bit.
 
 The values are small whole numbers, so every sum is exact in fp32 and bf16 and any
-difference is a wrong chunk, not rounding. The last case runs inside the course's ledger:
+difference is a wrong chunk, not rounding; the first one is tried against the typical
+mistakes (`wrong.RING`). The last case runs inside the course's ledger:
 what it records of your sends and receives is handed back for the lab to read.
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from graders import wrong
 from graders.common import call, agree, first_difference, grade_on_ranks, run_each, show
 
 LENGTHS = (1, 5, 16, 37)          # shorter than N, uneven, even, prime
@@ -43,12 +45,14 @@ def check_one(candidate: tuple, lengths=LENGTHS, dtypes=DTYPES) -> list:
         where = f"{dtype_name} length {length}"
         got = call(f"ring_reduce_scatter ({where})", reduce_scatter, x.clone())
         problem = first_difference(got, expected, "PyTorch's reduce-scatter")
-        agree(problem and f"ring_reduce_scatter, {where}: {problem}")
+        agree(problem and f"ring_reduce_scatter, {where}: {problem}", got=got,
+              mistakes=wrong.RING, rerun=lambda answer: answer[0](x.clone()))
         full = torch.empty(world * chunk, dtype=dtype, device=device)
         comm.all_gather_into(full, expected)
         got = call(f"ring_all_gather ({where})", all_gather, expected.clone())
         problem = first_difference(got, full, "PyTorch's all-gather")
-        agree(problem and f"ring_all_gather, {where}: {problem}")
+        agree(problem and f"ring_all_gather, {where}: {problem}", got=got,
+              mistakes=wrong.RING, rerun=lambda answer: answer[1](expected.clone()))
     x = torch.ones(1024, device=device)
     with comm.Ledger() as ledger:
         all_gather(reduce_scatter(x))
