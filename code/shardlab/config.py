@@ -18,6 +18,7 @@ from typing import Any
 
 from shardlab import checkpoint, modelio
 from shardlab.cards import OURS, card, names
+from shardlab.comm.links import SimulatedNetwork, check_simulated_network
 from shardlab.debugging import check_memory_limit, check_straggler
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
                              corpus_tokens, longest_sequence)
@@ -85,6 +86,9 @@ class TrainConfig:
     # The mistake rehearsed on purpose (shardlab.debugging): each rank clips by the norm
     # of its own gradient shard instead of the global norm.
     clip_local_norm: bool = False
+    # SIMULATION (shardlab.comm.links): the loop's collectives on a network apart from the
+    # cores, comm.SimulatedNetwork(alpha, beta), so that overlap shows on a CPU; None: gloo's.
+    simulated_network: SimulatedNetwork | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise, before any process starts, on anything that cannot run."""
@@ -92,6 +96,7 @@ class TrainConfig:
         get_precision(self.precision)
         optimizer_spec(self.optimizer, self.lr, self.clip_norm)
         check_loss_mean(self.loss_mean)
+        check_simulated_network(self.simulated_network)
         for name in ("variable_lengths", "clip_local_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import checkpoint
-from shardlab.comm import Ledger, all_gather_into, clock_offset
+from shardlab.comm import Ledger, all_gather_into, clock_offset, simulated_network
 from shardlab.comm.flight import FlightRecorder
 from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
@@ -148,6 +148,7 @@ def train_worker(config: TrainConfig, progress: str | None = None,
     recorder = FlightRecorder(flight) if flight else None
     with ledger if ledger is not None else contextlib.nullcontext(), \
             recorder if recorder is not None else contextlib.nullcontext(), \
+            simulated_network(config.simulated_network), \
             _on_the_way_out(close_progress):
         for step in range(first_step, config.steps):
             if step == config.crash_at_step and rank == config.crash_rank:
