@@ -32,8 +32,8 @@ counts by). They differ in who waits:
   FSDP and HSDP on a slow link between "nodes", is how exposed each schedule is to that
   link, and a ring spanning two nodes is as slow as its slowest hop: k x slower is this
   machine's time plus (k - 1) x its α-β time.
-* The simulated network is a network apart from the cores, as a GPU's NVLink and NICs
-  are (their copies run on copy engines or on SMs set aside for them). Each process group
+* The simulated network is a network apart from the cores that compute, as a GPU's
+  NVLink and NICs are apart from its SMs. Each process group
   is a wire that carries its collectives one at a time, in the order they were launched,
   as NCCL runs one communicator's collectives in order on its stream. A collective
   launched at t starts on the wire when the wire is free, lasts its α-β time there, and
@@ -43,14 +43,15 @@ counts by). They differ in who waits:
   and a blocking collective's return all follow it. So a collective launched early (DDP's
   buckets in backward, FSDP's prefetch, ZeRO's overlapped all-gather) runs "in the
   background" while the rank computes, and a blocking one costs its whole time. With a
-  network a few times slower than gloo, gloo's own time, and the cores its copies take,
-  hide under the simulated time: the timing shows the shape a separate network gives on
-  any machine. What it leaves out: on a GPU NCCL's kernels do take SMs and memory
+  network a few times slower than gloo, gloo's own time hides under the simulated time:
+  the timing shows the shape a separate network gives, on any machine. What it leaves
+  out: gloo still copies the bytes, on the cores, when the collective is launched (it
+  hides gloo's time, not gloo's work); on a GPU NCCL's kernels take SMs and memory
   bandwidth from the compute beside them, so real overlap is partial (the `hiding` of the
   step-time chapter); and each rank's clock starts at its own launch, so a rank that
   launches before a slower peer waits for the peer but not the peer's full α-β time after.
   It applies to collectives of CPU tensors; collectives of CUDA tensors run on the real
-  network.
+  network (a host thread cannot hold a GPU stream).
 
 Ring collectives (`shardlab.comm.ring`, send/recv inside) are neither throttled nor
 simulated: only native ones.
