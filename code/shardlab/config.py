@@ -19,6 +19,7 @@ from typing import Any
 
 from shardlab import checkpoint, modelio
 from shardlab.cards import OURS, card, names
+from shardlab.comm.links import SimulatedNetwork, check_simulated_network
 from shardlab.debugging import check_memory_limit, check_straggler
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
                              corpus_tokens, longest_sequence)
@@ -99,6 +100,9 @@ class TrainConfig:
     slow_rank: int | None = None
     slow_seconds: float = 0.0
     clip_local_norm: bool = False
+    # SIMULATION (shardlab.comm.links): the loop's collectives on a network apart from the
+    # cores, comm.SimulatedNetwork(alpha, beta), so that overlap shows on a CPU; None: gloo's.
+    simulated_network: SimulatedNetwork | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise on anything that cannot run. Called once, where the run is made: by `run`
@@ -122,6 +126,7 @@ class TrainConfig:
         get_strategy(self.strategy)
         get_precision(self.precision)
         optimizer_spec(self.optimizer, self.lr, self.clip_norm)
+        check_simulated_network(self.simulated_network)
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \

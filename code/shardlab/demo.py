@@ -295,6 +295,14 @@ def train_across_nodes(runs: list[tuple], ranks_per_node: int,
     return fast, reports
 
 
+def on_simulated_network(network: comm.SimulatedNetwork, function, *args):
+    """Run the worker `function(*args)` with every native collective on the simulated
+    `network` (a SIMULATION: `shardlab.comm.links`), e.g. a timeline of one step whose
+    collectives run on a network apart from the cores."""
+    with comm.simulated_network(network):
+        return function(*args)
+
+
 def run_all(calls: list[tuple]) -> list:
     """Run several workers, `(function, args)` pairs, one after the other in one launch.
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import checkpoint
-from shardlab.comm import all_gather_into
+from shardlab.comm import all_gather_into, simulated_network
 from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.config import TrainConfig, checkpoint_folders_locked
 from shardlab.debugging import recompute_units
@@ -80,8 +80,8 @@ def train_rank(config: TrainConfig, progress: str | None = None,
     faults = RehearsedFaults(config, rank)
     measured = Measurement(config, wrapped, first_step, rank, device, flight)
     local_losses = []
-    with measured, progress_shown(progress if rank == 0 else None,
-                                  config.steps - first_step) as show:
+    with measured, simulated_network(config.simulated_network), \
+            progress_shown(progress if rank == 0 else None, config.steps - first_step) as show:
         for step in range(first_step, config.steps):
             faults.crash_if_due(step)
             with measured.step(step) as watch:

@@ -10,8 +10,9 @@ One idea, *what a collective costs*, in a file per part, so that each reads alon
     volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring, one (α, β)
                  per link past one node; HSDP's two lanes as FSDP2 overlaps them
     compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
-    links.py     which link a collective crosses (its group's label), and a slower link
-                 simulated on one machine (`throttle_link`: a sleep, labelled so)
+    links.py     which link a collective crosses (its group's label), and a slower network
+                 simulated on one machine: `throttle_link` (a sleep on the calling thread)
+                 and `simulate_network` (a wire of its own that overlaps the compute)
     flight.py    a flight recorder: the ledger's last K collectives in a file per rank
     hang_diagnosis.py  the ranks' flight files compared: who is behind, what mismatched
     reduction_precision.py  what a reduction loses in bf16: the ring's sum replayed in
@@ -26,9 +27,11 @@ the ledger on both, the ring and the flight recorder on the ledger, the diagnosi
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.comm.flight import FlightDump, FlightEntry, FlightRecorder, read_flight
 from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose, flight_folder
-from shardlab.comm.ledger import Ledger, clock_offset, throttle_link
-from shardlab.comm.links import (INTER, INTRA, UNLABELLED, Throttle, label_link, link_of,
-                                 per_link, unthrottle_link)
+from shardlab.comm.ledger import (Ledger, clock_offset, simulate_network,
+                                  simulated_network, throttle_link)
+from shardlab.comm.links import (INTER, INTRA, UNLABELLED, SimulatedNetwork, Throttle,
+                                 label_link, link_of, per_link, unsimulate_network,
+                                 unthrottle_link, wires)
 from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_step,
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
@@ -47,4 +50,5 @@ __all__ = [
     "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
     "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",
     "Link", "fsdp_step_seconds", "hsdp_step_seconds", "HsdpSeconds", "hsdp_overlap",
+    "SimulatedNetwork", "simulate_network", "simulated_network", "unsimulate_network", "wires",
 ]

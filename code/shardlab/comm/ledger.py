@@ -146,6 +146,32 @@ def _throttle_seconds(describe, args) -> float:
                             group.rank(), src)
 
 
+def _simulated(describe, args) -> tuple[str, float] | None:
+    """SIMULATION (`shardlab.comm.links`): (the group's name, the collective's α-β time on
+    the simulated network its group runs on), or None where there is none. Collectives of
+    CUDA tensors run on the real network: a host thread cannot hold a GPU stream."""
+    name, tensors, numel, boxed_group, src = describe(args)
+    group = dist.ProcessGroup.unbox(boxed_group)
+    network = links.network_of(group_name(group))
+    if network is None or _first(tensors).device.type != "cpu":
+        return None
+    return group_name(group), network.seconds(name, numel, group.size(),
+                                              _first(tensors).element_size(), group.rank(),
+                                              src)
+
+
+def _on_wire(out, group: str, seconds: float, launched: float):
+    """`out` with its work replaced by one that the group's simulated wire completes."""
+    work = out[-1] if isinstance(out, tuple) else out
+    if not isinstance(work, torch.ScriptObject):
+        return out
+    real = dist.Work.unbox(work)
+    if real is None:  # a blocking NCCL collective: nothing left to wait for
+        return out
+    carried = links.carry_on_wire(group, real, seconds, launched).boxed()
+    return (*out[:-1], carried) if isinstance(out, tuple) else carried
+
+
 def _hold(out, seconds: float) -> None:
     """Let the collective finish, then sleep: the simulated link's extra time."""
     work = out[-1] if isinstance(out, tuple) else out
@@ -156,14 +182,14 @@ def _hold(out, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _record_native(describe, args) -> Callable:
-    """Record one native collective; return what to do with its result (time it)."""
+def _record_native(describe, args, start: float) -> Callable:
+    """Record one native collective launched at `start`; return what to do with its
+    result (time it)."""
     name, tensors, numel, boxed_group, src = describe(args)
     group = dist.ProcessGroup.unbox(boxed_group)
     world, rank = group.size(), group.rank()
     size = _first(tensors).element_size()
     sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank, src)
-    start = time.perf_counter()
     records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received, 0.0,
                     world, rounds, round_bytes, start, group_name(group))
 
@@ -251,13 +277,18 @@ def _watching_kernel(op, describe):
     below = torch._C.DispatchKey.BackendSelect
 
     def kernel(keyset, *args, **kwargs):
-        if not (_ACTIVE or links.any_throttled()) or getattr(_local, "depth", 0):
+        if not (_ACTIVE or links.any_throttled() or links.any_simulated()) \
+                or getattr(_local, "depth", 0):
             return op.redispatch(keyset.remove(below), *args, **kwargs)
+        launched = time.perf_counter()
         held = _throttle_seconds(describe, args) if links.any_throttled() else 0.0
-        finished = _record_native(describe, args) if _ACTIVE else None
+        wire = _simulated(describe, args) if links.any_simulated() else None
+        finished = _record_native(describe, args, launched) if _ACTIVE else None
         out = op.redispatch(keyset.remove(below), *args, **kwargs)
         if held:
             _hold(out, held)
+        if wire is not None:  # the caller gets a work that the simulated wire completes
+            out = _on_wire(out, *wire, launched)
         if finished is not None:
             finished(out)
         return out
@@ -295,10 +326,35 @@ def throttle_link(link: str, alpha: float = 0.0, seconds_per_byte: float = 0.0) 
     """SIMULATION: make every native collective of the groups labelled `link` last its
     ring's rounds x (`alpha` + bytes per round x `seconds_per_byte`) longer, on every rank
     of them, as if they crossed a slower link (`shardlab.comm.links` says how and what it
-    leaves out). Their records then carry that time too. `unthrottle_link` undoes it."""
+    leaves out). The calling thread sleeps that time, so an asynchronous collective loses
+    its overlap: `simulate_network` is the overlapping simulation. Their records then
+    carry that time too. `unthrottle_link` undoes it."""
     throttle = links.set_throttle(link, alpha, seconds_per_byte)
     _watch_native_collectives()  # the sleep happens in the kernels that watch collectives
     return throttle
+
+
+def simulate_network(network: links.SimulatedNetwork, link: str | None = None) -> None:
+    """SIMULATION: every native collective of the groups labelled `link` (None: of every
+    group) lasts at least its ring's α-β time on `network`, counted on a wire of its own
+    while the rank computes on (`shardlab.comm.links` says how and what it leaves out).
+    Their records then carry that time too. `unsimulate_network` undoes it."""
+    links.set_network(network, link)
+    _watch_native_collectives()  # the wires are fed by the kernels that watch collectives
+
+
+@contextmanager
+def simulated_network(network: links.SimulatedNetwork | None, link: str | None = None):
+    """`simulate_network` for the block (nothing when `network` is None): what a
+    `TrainConfig`'s `simulated_network` does around the training loop."""
+    if network is None:
+        yield
+        return
+    simulate_network(network, link)
+    try:
+        yield
+    finally:
+        links.unsimulate_network(link)
 
 
 class Ledger:

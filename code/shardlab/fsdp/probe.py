@@ -11,13 +11,16 @@ import contextlib
 
 import torch.distributed as dist
 
+from shardlab.comm import simulated_network
 from shardlab.launch import rank_device
 
 
 def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: int = 32
                ) -> list[dict]:
     """Run on every rank (with `shardlab.launch.launch`): for each case
-    {strategy, options, model, precision}, train `steps` steps and look inside the last:
+    {strategy, options, model, precision, batch_size (the global batch, if not
+    `batch_size`), simulated_network (a `comm.SimulatedNetwork` to run the steps on)},
+    train `steps` steps and look inside the last:
     PyTorch's own count of the c10d collectives it ran (`CommDebugMode`, which sees ours and
     `fully_shard`'s alike), the timeline of our schedule (ours only), the step times, the
     losses, and the parameters as the module shows them (name, shape, dtype)."""
@@ -48,22 +51,23 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
         shown = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
                  for n, p in wrapped.model.named_parameters()]
         losses, times, counts, events = [], [], {}, []
-        for step in range(steps):
-            x, y = (t.to(rank_device()) for t in get_batch(step, rank, world, batch_size,
-                                                            seq_len))
-            last = step == steps - 1
-            counter = CommDebugMode() if last else contextlib.nullcontext()
-            tracer = tracing() if last else contextlib.nullcontext()
-            dist.barrier()
-            with counter, tracer as trace:
-                start = time.perf_counter()
-                loss = train_step(wrapped, [(x, y)])
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-            if last:
-                counts = {str(op).split(".")[-1]: n
-                          for op, n in counter.get_comm_counts().items()}
-                events = [(t - start, unit, what, edge) for t, unit, what, edge in trace]
+        with simulated_network(case.get("simulated_network")):
+            for step in range(steps):
+                x, y = (t.to(rank_device()) for t in get_batch(
+                    step, rank, world, case.get("batch_size", batch_size), seq_len))
+                last = step == steps - 1
+                counter = CommDebugMode() if last else contextlib.nullcontext()
+                tracer = tracing() if last else contextlib.nullcontext()
+                dist.barrier()
+                with counter, tracer as trace:
+                    start = time.perf_counter()
+                    loss = train_step(wrapped, [(x, y)])
+                    times.append(time.perf_counter() - start)
+                losses.append(loss.item())
+                if last:
+                    counts = {str(op).split(".")[-1]: n
+                              for op, n in counter.get_comm_counts().items()}
+                    events = [(t - start, unit, what, edge) for t, unit, what, edge in trace]
         results.append({"case": case, "losses": losses, "step_times": times,
                         "collectives": counts, "events": sorted(events), "shown": shown})
     return results
