@@ -46,6 +46,7 @@ right.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -417,7 +418,9 @@ def whereabouts_lines(reports: list[RunReport]) -> str:
 
 
 def _plain(value):
-    """JSON has no NaN, dtype or tuple: None, a string, a list."""
+    """JSON has no NaN, dtype, tuple or dataclass: None, a string, a list, a dict."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))  # a setting such as a SimulatedNetwork
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, torch.dtype):
