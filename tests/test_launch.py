@@ -104,11 +104,24 @@ def test_an_exception_names_the_rank_and_stops_the_others():
     assert "rank 2 failed" in str(info.value)
 
 
-def test_a_hang_is_ended_by_the_timeout():
+def test_a_hang_names_the_rank_the_collective_and_its_size():
+    """Rank 0 calls one all-reduce more than rank 1: the timeout names rank 0, and the
+    ranks' flight recorders (PyTorch's, on in every rank) say what it waits in (kind,
+    size, dtype, sequence number) and what rank 1 ran last."""
+    launch(w.rank_times_ten, 2)  # the fork server up: the timeout is the hang's alone
     with pytest.raises(LaunchTimeout) as info:
-        launch(w.hang_on, 3, 1, timeout=20)
-    assert info.value.unfinished == [1]
-    assert "ranks [1] had not finished" in str(info.value)
+        launch(w.one_all_reduce_more_on, 2, 0, timeout=8)
+    assert info.value.unfinished == [0]
+    assert "ranks [0] had not finished" in str(info.value)
+    hang = info.value.hang
+    assert (hang.cause, hang.ranks) == ("behind", [1]), str(info.value)
+    waits, last = hang.sides[0], hang.sides[1]
+    assert (waits.op, waits.numel, waits.dtype, waits.finished) == \
+        ("all_reduce", 6, "float32", False)
+    assert (waits.seq, last.seq, last.finished) == (hang.seq, hang.seq - 1, True)
+    assert f"At seq {hang.seq}, rank 0 waits in all_reduce of 6 float32 from " \
+        f"one_all_reduce_more_on (never finished)" in str(info.value)
+    assert f"rank 1's last is seq {hang.seq - 1}, all_reduce of 6 float32" in hang.text
 
 
 def test_two_launches_at_once_do_not_collide():
@@ -458,22 +471,33 @@ def test_a_rank_reports_its_placement():
     assert launch(placement, 2) == ["gloo: 2 rank(s) on the CPU"] * 2
 
 
-@pytest.mark.parametrize("how,said", [
-    ("signal", ["the process was killed by signal SIGKILL"]),
-    ("exit", ["the process exited with code 3 without a result or an error"]),
+@pytest.mark.parametrize("how,died,said", [
+    ("signal", "was killed by signal SIGKILL (from outside, or by the kernel for lack of "
+               "memory?)", []),
+    ("exit", "exited with code 3 without a result or an error", []),
     # a crash in native code: where Python was, from the faulthandler every rank enables
-    ("segfault", ["crashed in native code (signal SIGSEGV)", "Segmentation fault",
-                  "in end_silently_while_the_peer_fails"]),
-])
-def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, said):
+    ("segfault", "crashed in native code (signal SIGSEGV)",
+     ["Segmentation fault", "in end_silently_while_the_peer_fails"]),
+], ids=["signal", "exit", "segfault"])
+def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, died, said):
     """On a loaded machine, rank 1 dies silently; rank 0's collective fails and writes
     an error, which the launcher sees first. The cause named is rank 1, whatever the
-    order of arrival; the load and what rank 1 left are gone with the launch."""
+    order of arrival, in the line a command line prints (the last), with how it died; the
+    recorders' paragraph says the death first, where rank 0 waited, and gives no advice
+    meant for ranks whose code took different paths. The load and what rank 1 left are
+    gone with the launch."""
     with pytest.raises(RankFailed) as info:
         launch(w.end_silently_while_the_peer_fails, 2, how, timeout=120)
-    assert info.value.rank == 1, str(info.value)
+    failed = info.value
+    assert failed.rank == 1, str(failed)
+    assert failed.died == {1: died}
+    assert failed.rank_traceback.strip().splitlines()[-1].startswith(f"rank 1 {died}")
     for words in said:
-        assert words in info.value.rank_traceback, info.value.rank_traceback
+        assert words in failed.rank_traceback, failed.rank_traceback
+    assert (failed.hang.cause, failed.hang.ranks) == ("died", [1]), str(failed)
+    assert failed.hang.text.startswith(f"Rank 1 {died}")
+    assert "rank 0 waited in seq 2 of group '0', all_reduce of 1 float32" in failed.hang.text
+    assert "behind" not in str(failed) and "branch" not in str(failed)
 
 
 def test_killing_a_training_command_leaves_no_folder(tmp_path):
@@ -523,8 +547,9 @@ def test_the_cause_is_the_rank_that_ended_silently_whenever_its_end_is_seen(tmp_
         ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(-9, after)),
                  RankProcess(2, Ended(None))]
         cause = the_cause(ranks, tmp_path)
-        assert cause.rank == 1 and "killed by signal SIGKILL" in cause.rank_traceback
-        assert "ranks 0 then failed in their collectives" in cause.rank_traceback
+        assert cause.rank == 1 and "rank 1 was killed by signal SIGKILL" in cause.rank_traceback
+        assert "rank 0 then failed in its collectives" in cause.rank_traceback
+        assert list(cause.died) == [1]
     ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(None))]
     (tmp_path / "rank0.error").write_text("ValueError: a bad option\n")
     assert the_cause(ranks, tmp_path).rank == 0  # not an echo: named without waiting

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from shardlab import checkpoint
 from shardlab.comm import Ledger, all_gather_into, clock_offset
 from shardlab.comm.flight import FlightRecorder
-from shardlab.comm.hang_diagnosis import flight_folder
+from shardlab.launch.recorders import flight_folder
 from shardlab.debugging import (check_memory_limit, check_straggler, memory_limit,
                                 recompute_units, straggle)
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
