@@ -20,7 +20,7 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
         "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet",
-        "launch.recorders", "rendezvous",
+        "launch.recorders", "launch.in_forkserver", "rendezvous",
         "precision", "measure", "clock", "hardware", "network", "steptime", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0",

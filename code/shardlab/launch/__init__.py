@@ -9,6 +9,8 @@ A file per part:
     launcher.py  `launch`: start the ranks, wait, collect; or run under torchrun
     starter.py   how ranks start: forked from a fork server that imported torch once
                  (milliseconds a rank), or spawned when the environment has changed
+    in_forkserver.py  what the fork server does for itself: a session of its own, and
+                 its socket's folder removed when it ends
     carry.py     how the function reaches the ranks: by name if importable, else by value
                  (a notebook cell's); what cannot travel (a lock, a file) named in one line
     devices.py   placement: NCCL with a GPU per rank, gloo sharing GPUs, gloo on the CPU;

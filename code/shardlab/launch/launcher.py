@@ -64,7 +64,7 @@ from shardlab.launch.errors import LaunchError, LaunchTimeout
 from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_with_parent,
                                      dismiss_reaper, reclaim_run_dirs, start_reaper,
                                      stop_ranks, tell_reaper, terminate_as_exit)
-from shardlab.launch.starter import rank_context
+from shardlab.launch.starter import rank_context, socket_folder
 from shardlab.launch.torchrun import run_in_this_process, under_torchrun
 
 
@@ -244,13 +244,16 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         try:
             reaper = start_reaper(tmp)
             with carry.main_not_reimported():
+                folder = socket_folder(ctx)  # told before the fork server starts in it
+                if folder is not None:
+                    tell_reaper(reaper, f"folder {folder}")
                 for rank in range(world):
                     p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                     args=(rank, world, store.port, payload, surroundings,
                                           tmp, threads, timeout, os.getpid(), where),
                                     daemon=True)
                     p.start()
-                    tell_reaper(reaper, str(p.pid))
+                    tell_reaper(reaper, f"rank {p.pid}")
                     ranks.append(RankProcess(rank, p))
             try:
                 _wait_all(ranks, run_dir, timeout)
