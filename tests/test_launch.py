@@ -103,6 +103,10 @@ def test_an_exception_names_the_rank_and_stops_the_others():
     assert info.value.rank == 2
     assert "ValueError: boom from rank 2" in info.value.rank_traceback
     assert "rank 2 failed" in str(info.value)
+    # where the others waited for it, from their flight recorders (PyTorch numbers a
+    # group's collectives from 1)
+    assert "At seq 1, rank 0 waits in all_reduce of 1 float32 from fail_on" in str(info.value)
+    assert "raised before calling it" in info.value.hang.text
 
 
 def test_a_hang_names_the_rank_the_collective_and_its_size():

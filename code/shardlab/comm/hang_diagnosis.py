@@ -154,7 +154,10 @@ def _behind_or_together(group: str, dumps: dict[int, FlightDump]) -> HangDiagnos
     behind = sorted(r for r, s in last.items() if s < top)
     if behind:
         lag = min(last[r] for r in behind)
-        waiting = {r: m[lag + 1] for r, m in by_rank.items() if lag + 1 in m}
+        # the next collective after the laggard's last (numbers start at 0 in the course's
+        # recorder, at 1 in PyTorch's)
+        following = min(s for m in by_rank.values() for s in m if s > lag)
+        waiting = {r: m[following] for r, m in by_rank.items() if following in m}
         their_last = "; ".join(
             f"rank {r}'s last is seq {last[r]}, {_from(by_rank[r][last[r]])}, and then "
             f"it {_how(dumps[r])}" if last[r] >= 0 else
@@ -168,10 +171,10 @@ def _behind_or_together(group: str, dumps: dict[int, FlightDump]) -> HangDiagnos
                       f"and the others' did not (a decision taken from a value only some "
                       f"ranks hold, an uneven number of batches, a skipped sample).")
         text = (f"Rank(s) {behind} are behind in group {group!r}: {their_last}. At seq "
-                f"{lag + 1}, {waits}. {advice}")
+                f"{following}, {waits}. {advice}")
         sides = {r: (by_rank[r].get(last[r]) if r in behind else waiting.get(r))
                  for r in by_rank}
-        return HangDiagnosis("behind", behind, lag + 1, group, sides, text)
+        return HangDiagnosis("behind", behind, following, group, sides, text)
     open_ = {r: m[top] for r, m in by_rank.items() if top in m and not m[top].finished}
     everyone_left = all(d.state == "returned" for d in dumps.values())
     if top >= 0 and len(open_) == len(by_rank) and not everyone_left:
