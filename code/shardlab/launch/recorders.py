@@ -24,7 +24,8 @@ keeps a recorder in every rank:
   and knows the step and the unit. Its diagnosis, when it has one, replaces PyTorch's.
 
 The ranks that died (`LaunchError.died`, from their exits) are said first: a death is
-not a disagreement of the ranks' code.
+not a disagreement of the ranks' code. (Under torchrun the ranks are torchrun's, and each
+node's agent reports them: nothing here runs.)
 """
 
 from __future__ import annotations
@@ -92,14 +93,17 @@ def dump(run_dir: Path, rank: int, where: Any = None) -> None:
     """Write this rank's collectives to the run folder. `where`: the waiting thread's
     innermost frame, or the exception the function raised; if it is inside a collective,
     that collective is the rank's newest, unfinished, and its caller is known."""
+    traces = []
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):  # gloo's (CPU) and NCCL's
+        read = getattr(torch._C._distributed_c10d, name, None)
+        if read is None:  # a build without NCCL
+            continue
+        try:
+            traces.append(pickle.loads(read(includeCollectives=True, includeStackTraces=False,
+                                            onlyActive=False)))
+        except Exception:  # noqa: BLE001 - one recorder that fails leaves the other's
+            pass
     try:
-        traces = []
-        for name in ("_dump_fr_trace", "_dump_nccl_trace"):  # gloo's (CPU) and NCCL's
-            read = getattr(torch._C._distributed_c10d, name, None)
-            if read is not None:
-                traces.append(pickle.loads(read(includeCollectives=True,
-                                                includeStackTraces=False,
-                                                onlyActive=False)))
         if isinstance(where, BaseException):
             tb, frame = where.__traceback__, None
             while tb is not None:
