@@ -44,12 +44,6 @@ def fail_on(rank: int) -> int:
     return dist.get_rank()
 
 
-def hang_on(rank: int) -> int:
-    if dist.get_rank() == rank:
-        time.sleep(3600)
-    return dist.get_rank()
-
-
 def chatty(lines: int) -> int:
     for i in range(lines):
         print(f"line {i} of rank {dist.get_rank()}")
@@ -144,3 +138,12 @@ def end_silently_while_the_peer_fails(how: str) -> int:
         os._exit(3)
     dist.all_reduce(t)  # fails: the peer is gone
     return 0
+
+
+def one_all_reduce_more_on(rank: int) -> int:
+    """Two all-reduces of 6 floats on every rank, and a third on `rank` alone: it waits in
+    it until the launch's timeout."""
+    t = torch.ones(6)
+    for _ in range(3 if dist.get_rank() == rank else 2):
+        dist.all_reduce(t)
+    return dist.get_rank()

@@ -147,6 +147,10 @@ def test_a_failed_run_carries_the_diagnosis_to_the_cli(monkeypatch, capsys):
     hang = failed.value.hang
     assert (hang.cause, hang.ranks) == ("behind", [1])
     assert "rank 1 crashed at step 1" in hang.text
+    # the course's recorder, kept by the loop, says more than PyTorch's: its paragraph,
+    # once; a rank that raised is not sent looking for a branch of its code
+    assert str(failed.value).count("What the flight recorders say") == 1
+    assert "Rank(s) [1] raised before calling it" in hang.text and "branch" not in hang.text
     assert "What the flight recorders say" in str(failed.value)
 
     def failing_run(*args, **kwargs):
@@ -157,6 +161,45 @@ def test_a_failed_run_carries_the_diagnosis_to_the_cli(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "error: RuntimeError: rank 1 crashed at step 1" in err
     assert "what the flight recorders say: Rank(s) [1] are behind" in err
+
+
+KILLED = "was killed by signal SIGKILL (from outside, or by the kernel for lack of memory?)"
+
+
+def test_a_rank_that_died_is_said_first_and_not_called_behind():
+    """Rank 1 was killed inside a save's all-gather (step 3), its file as it was then;
+    rank 0 went on and waits in the next collective: the death is said first, with where
+    rank 1 was, and no advice meant for code that took another path."""
+    before = [_entry(s, step=s // 2) for s in range(6)]
+    dumps = {0: FlightDump(0, 2, "raised", "RuntimeError: Connection closed by peer",
+                           before + [_entry(6, op="all_gather", step=3),
+                                     _entry(7, finished=False, step=3)]),
+             1: FlightDump(1, 2, "running", "",
+                           before + [_entry(6, op="all_gather", step=3, finished=False)])}
+    assert diagnose(dumps).cause == "behind"  # what the recorders alone would say
+    found = diagnose(dumps, died={1: KILLED})
+    assert (found.cause, found.ranks, found.seq) == ("died", [1], 6)
+    assert found.text.startswith(f"Rank 1 {KILLED}, inside seq 6 of group '0': "
+                                 f"all_gather of 4 float32 from f (step 3, never finished)")
+    assert "rank 0 waited in seq 7 of group '0', all_reduce of 4 float32" in found.text
+    assert "behind" not in found.text and "branch" not in found.text
+
+
+def test_a_disagreement_comes_before_the_death_it_caused():
+    """gloo aborts a rank on a size mismatch: the mismatch is the cause, said first."""
+    dumps = {r: FlightDump(r, 2, "running", "", [_entry(0, numel=4 + r, finished=False)])
+             for r in range(2)}
+    found = diagnose(dumps, died={1: "crashed in native code (signal SIGABRT)"})
+    assert (found.cause, found.ranks) == ("size", [1])
+    assert found.text.endswith("Rank 1 then crashed in native code (signal SIGABRT).")
+
+
+def test_a_dead_rank_without_a_recorder_is_still_named():
+    """PyTorch's recorder goes with its rank: the others say where they waited."""
+    dumps = {0: FlightDump(0, 2, "running", "", [_entry(0), _entry(1, finished=False)])}
+    found = diagnose(dumps, died={1: KILLED}, world=2)
+    assert (found.cause, found.ranks) == ("died", [1])
+    assert "where it was is not known" in found.text and "wrote no" not in found.text
 
 
 def test_a_reduce_is_counted_as_a_reduce_scatter_then_a_gather_to_the_root():

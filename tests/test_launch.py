@@ -2,6 +2,7 @@
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,13 +103,30 @@ def test_an_exception_names_the_rank_and_stops_the_others():
     assert info.value.rank == 2
     assert "ValueError: boom from rank 2" in info.value.rank_traceback
     assert "rank 2 failed" in str(info.value)
+    # where the others waited for it, from their flight recorders (PyTorch numbers a
+    # group's collectives from 1)
+    assert "At seq 1, rank 0 waits in all_reduce of 1 float32 from fail_on" in str(info.value)
+    assert "raised before calling it" in info.value.hang.text
 
 
-def test_a_hang_is_ended_by_the_timeout():
+def test_a_hang_names_the_rank_the_collective_and_its_size():
+    """Rank 0 calls one all-reduce more than rank 1: the timeout names rank 0, and the
+    ranks' flight recorders (PyTorch's, on in every rank) say what it waits in (kind,
+    size, dtype, sequence number) and what rank 1 ran last."""
+    launch(w.rank_times_ten, 2)  # the fork server up: the timeout is the hang's alone
     with pytest.raises(LaunchTimeout) as info:
-        launch(w.hang_on, 3, 1, timeout=20)
-    assert info.value.unfinished == [1]
-    assert "ranks [1] had not finished" in str(info.value)
+        launch(w.one_all_reduce_more_on, 2, 0, timeout=8)
+    assert info.value.unfinished == [0]
+    assert "ranks [0] had not finished" in str(info.value)
+    hang = info.value.hang
+    assert (hang.cause, hang.ranks) == ("behind", [1]), str(info.value)
+    waits, last = hang.sides[0], hang.sides[1]
+    assert (waits.op, waits.numel, waits.dtype, waits.finished) == \
+        ("all_reduce", 6, "float32", False)
+    assert (waits.seq, last.seq, last.finished) == (hang.seq, hang.seq - 1, True)
+    assert f"At seq {hang.seq}, rank 0 waits in all_reduce of 6 float32 from " \
+        f"one_all_reduce_more_on (never finished)" in str(info.value)
+    assert f"rank 1's last is seq {hang.seq - 1}, all_reduce of 6 float32" in hang.text
 
 
 def test_two_launches_at_once_do_not_collide():
@@ -297,53 +315,91 @@ if __name__ == "__main__":
     launch(start_a_child_then, 2, "hang", sys.argv[1], timeout=120)
 """
 
+# a notebook kernel killed between two launches: its fork server is idle
+BETWEEN_LAUNCHES = """
+import os, sys, time
+from launch_workers import rank_times_ten
+from shardlab.launch import launch
+if __name__ == "__main__":
+    launch(rank_times_ten, 2)
+    open(os.path.join(sys.argv[1], "launched"), "w").close()
+    time.sleep(600)
+"""
 
-def start_script(folder: Path, source: str) -> tuple[str, subprocess.Popen]:
+
+@pytest.fixture
+def script_tmp():
+    """A script's temporary folder (its TMPDIR), of its own to find what it leaves, and
+    short: the fork server's socket goes in a folder under it, and a socket's path is
+    limited to 107 bytes (a folder under pytest's tmp_path can be longer)."""
+    folder = Path(tempfile.mkdtemp(prefix="sl-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_script(folder: Path, source: str, tmp: Path) -> tuple[str, subprocess.Popen]:
     """Run `source` as a script that launches (its folder as its argument), its processes
-    marked by a token in their environment: (token, the script's process)."""
+    marked by a token in their environment, its temporary files in `tmp`: (token, the
+    script's process)."""
     token = f"shardlab-test-{uuid.uuid4().hex}"
     script = folder / "job.py"
     script.write_text(source)
-    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token,
+    env = {**os.environ, "SHARDLAB_TEST_TOKEN": token, "TMPDIR": str(tmp),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                           os.environ.get("PYTHONPATH", "")])}
     return token, subprocess.Popen([sys.executable, str(script), str(folder)], env=env,
                                    stderr=subprocess.PIPE)
 
 
-def run_dirs_of(pid: int) -> set[Path]:
-    return {p for p in Path(tempfile.gettempdir()).glob("shardlab-launch-*")
+def run_dirs_of(pid: int, tmp: Path | None = None) -> set[Path]:
+    return {p for p in Path(tmp or tempfile.gettempdir()).glob("shardlab-launch-*")
             if (p / "owner.pid").is_file() and (p / "owner.pid").read_text() == str(pid)}
 
 
-@pytest.mark.parametrize("moment", ["starting", "ranks-importing", "running"])
-def test_killing_the_launching_process_leaves_nothing(tmp_path, moment):
+def multiprocessing_folders(tmp: Path) -> list[Path]:
+    """The folders multiprocessing made in `tmp` (the fork server's socket is in one)."""
+    return sorted(tmp.glob("pymp-*"))
+
+
+@pytest.mark.parametrize("moment", ["starting", "ranks-importing", "running",
+                                    "between-launches"])
+def test_killing_the_launching_process_leaves_nothing(tmp_path, script_tmp, moment):
     """kill -9 of the script that launched, at any moment: while it starts the ranks,
-    while they import torch, while they run (and have started children of their own).
-    Within a few seconds no process of the launch remains, and its run folder is gone
-    (removed by the reaper, without waiting for a next launch)."""
-    token, parent = start_script(tmp_path, SCRIPT)
+    while they import torch, while they run (and have started children of their own),
+    after a launch (its fork server idle, as a notebook kernel's is when it is shut
+    down). Within a few seconds no process of the launch remains, the fork server
+    included, and neither its run folder (removed by the reaper, without waiting for a
+    next launch) nor the folder of the fork server's socket (multiprocessing's pymp-*)."""
+    token, parent = start_script(tmp_path, BETWEEN_LAUNCHES if moment == "between-launches"
+                                 else SCRIPT, script_tmp)
+    tmp = script_tmp
     if moment == "starting":
         deadline = time.monotonic() + 60
         while len(processes_with(token)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)  # the script and its first rank: spawning has begun
     elif moment == "ranks-importing":
         deadline = time.monotonic() + 60
-        while not run_dirs_of(parent.pid) and time.monotonic() < deadline:
+        while not run_dirs_of(parent.pid, tmp) and time.monotonic() < deadline:
             time.sleep(0.05)  # the script has imported torch and begun to launch
         time.sleep(0.5)
+    elif moment == "between-launches":
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "launched").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
     else:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("child*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(list(tmp_path.glob("child*"))) == 2
-    run_dirs = run_dirs_of(parent.pid)
-    assert moment == "starting" or run_dirs
+    run_dirs = run_dirs_of(parent.pid, tmp)
+    assert moment in ("starting", "between-launches") or run_dirs
+    assert moment == "starting" or multiprocessing_folders(tmp)  # the server's socket
     assert parent.poll() is None, parent.communicate()[1]  # still running when killed
     parent.kill()
     parent.wait()
     assert gone_within(token, 10), f"left behind: {processes_with(token)}"
     assert not any(p.exists() for p in run_dirs)  # the reaper, last to end, removed it
+    assert multiprocessing_folders(tmp) == []
 
 
 def test_the_next_launch_reclaims_a_folder_whose_owner_is_dead(tmp_path):
@@ -370,11 +426,11 @@ if __name__ == "__main__":
 """
 
 
-def test_ranks_still_starting_end_at_once_with_the_launching_process(tmp_path):
+def test_ranks_still_starting_end_at_once_with_the_launching_process(tmp_path, script_tmp):
     """kill -9 of the launching script while its ranks are still starting up (importing
     torch and the script take seconds, far more on a busy machine): they end at once, not
     when they would have reached their own watchdog."""
-    token, parent = start_script(tmp_path, SLOW_START)
+    token, parent = start_script(tmp_path, SLOW_START, script_tmp)
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("starting*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -382,6 +438,7 @@ def test_ranks_still_starting_end_at_once_with_the_launching_process(tmp_path):
     parent.kill()
     parent.wait()
     assert gone_within(token, 3), f"left behind: {processes_with(token)}"
+    assert multiprocessing_folders(script_tmp) == []
 
 
 def test_a_rank_that_fails_leaves_no_child_behind(tmp_path):
@@ -458,44 +515,56 @@ def test_a_rank_reports_its_placement():
     assert launch(placement, 2) == ["gloo: 2 rank(s) on the CPU"] * 2
 
 
-@pytest.mark.parametrize("how,said", [
-    ("signal", ["the process was killed by signal SIGKILL"]),
-    ("exit", ["the process exited with code 3 without a result or an error"]),
+@pytest.mark.parametrize("how,died,said", [
+    ("signal", "was killed by signal SIGKILL (from outside, or by the kernel for lack of "
+               "memory?)", []),
+    ("exit", "exited with code 3 without a result or an error", []),
     # a crash in native code: where Python was, from the faulthandler every rank enables
-    ("segfault", ["crashed in native code (signal SIGSEGV)", "Segmentation fault",
-                  "in end_silently_while_the_peer_fails"]),
-])
-def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, said):
+    ("segfault", "crashed in native code (signal SIGSEGV)",
+     ["Segmentation fault", "in end_silently_while_the_peer_fails"]),
+], ids=["signal", "exit", "segfault"])
+def test_a_rank_that_ends_without_a_word_is_named_not_the_peer_it_broke(how, died, said):
     """On a loaded machine, rank 1 dies silently; rank 0's collective fails and writes
     an error, which the launcher sees first. The cause named is rank 1, whatever the
-    order of arrival; the load and what rank 1 left are gone with the launch."""
+    order of arrival, in the line a command line prints (the last), with how it died; the
+    recorders' paragraph says the death first, where rank 0 waited, and gives no advice
+    meant for ranks whose code took different paths. The load and what rank 1 left are
+    gone with the launch."""
     with pytest.raises(RankFailed) as info:
         launch(w.end_silently_while_the_peer_fails, 2, how, timeout=120)
-    assert info.value.rank == 1, str(info.value)
+    failed = info.value
+    assert failed.rank == 1, str(failed)
+    assert failed.died == {1: died}
+    assert failed.rank_traceback.strip().splitlines()[-1].startswith(f"rank 1 {died}")
     for words in said:
-        assert words in info.value.rank_traceback, info.value.rank_traceback
+        assert words in failed.rank_traceback, failed.rank_traceback
+    assert (failed.hang.cause, failed.hang.ranks) == ("died", [1]), str(failed)
+    assert failed.hang.text.startswith(f"Rank 1 {died}")
+    assert "rank 0 waited in seq 2 of group '0', all_reduce of 1 float32" in failed.hang.text
+    assert "behind" not in str(failed) and "branch" not in str(failed)
 
 
-def test_killing_a_training_command_leaves_no_folder(tmp_path):
+def test_killing_a_training_command_leaves_no_folder(tmp_path, script_tmp):
     """`python -m shardlab train` (its progress file and the ranks' flight recorders in
     folders of their own, beside the launch's) killed by SIGKILL while it trains: every
     folder goes with the reaper, and the checkpoint folder's lock with the process."""
     token = f"shardlab-test-{uuid.uuid4().hex}"
-    ckpt = tmp_path / "ckpt"
+    ckpt, tmp = tmp_path / "ckpt", script_tmp
     train = subprocess.Popen(
         [sys.executable, "-m", "shardlab", "train", "--steps", "100000", "--seq-len", "16",
          "--no-memory", "--no-ledger", "--save-every", "1", "--checkpoint-dir", str(ckpt)],
-        env={**os.environ, "SHARDLAB_TEST_TOKEN": token}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        env={**os.environ, "SHARDLAB_TEST_TOKEN": token, "TMPDIR": str(tmp)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
         time.sleep(0.1)  # training: a save has begun
-    folders = run_dirs_of(train.pid)
+    folders = run_dirs_of(train.pid, tmp)
     assert len(folders) == 3, folders  # the launch's, the progress file's, the flight's
     train.kill()
     train.wait()
     assert gone_within(token, 10), f"left behind: {processes_with(token)}"
     assert not any(p.exists() for p in folders)
+    assert multiprocessing_folders(tmp) == []
     with checkpoint.writer_lock(ckpt):  # free: its holder is gone
         pass
 
@@ -523,8 +592,9 @@ def test_the_cause_is_the_rank_that_ended_silently_whenever_its_end_is_seen(tmp_
         ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(-9, after)),
                  RankProcess(2, Ended(None))]
         cause = the_cause(ranks, tmp_path)
-        assert cause.rank == 1 and "killed by signal SIGKILL" in cause.rank_traceback
-        assert "ranks 0 then failed in their collectives" in cause.rank_traceback
+        assert cause.rank == 1 and "rank 1 was killed by signal SIGKILL" in cause.rank_traceback
+        assert "rank 0 then failed in its collectives" in cause.rank_traceback
+        assert list(cause.died) == [1]
     ranks = [RankProcess(0, Ended(1)), RankProcess(1, Ended(None))]
     (tmp_path / "rank0.error").write_text("ValueError: a bad option\n")
     assert the_cause(ranks, tmp_path).rank == 0  # not an echo: named without waiting

@@ -22,7 +22,8 @@ PACKAGE = Path(shardlab.__file__).parent
 # each part are listed, so that a new part must be given a layer too.
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
-        "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet", "rendezvous",
+        "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet",
+        "launch.recorders", "launch.in_forkserver", "rendezvous",
         "precision", "measure", "clock", "hardware", "network", "steptime", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0",

@@ -2,9 +2,14 @@
 
 The ranks cannot import a cell, so the function travels by value (shardlab.launch.carry).
 One kernel: a launch on 4 ranks, as a reader's exercise does, and one that fails on rank 1,
-which must come back as that rank's traceback."""
+which must come back as that rank's traceback. When the kernel is shut down, nothing of it
+remains in its temporary folder (the fork server's socket folder went with the server)."""
 
 import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -45,16 +50,28 @@ def test_a_function_defined_in_a_notebook_cell_launches_on_4_ranks_or_names_its_
         tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL),
                                          nbformat.v4.new_code_cell(FAILING)])
-    env_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # the kernel's temporary files, none of which must remain (a short path: the fork
+    # server's socket goes under it, and a socket's path is limited to 107 bytes)
+    kernel_tmp = Path(tempfile.mkdtemp(prefix="sl-"))
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TMPDIR")}
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU, like the labs under nbval
+    os.environ["TMPDIR"] = str(kernel_tmp)
     try:
         NotebookClient(nb, timeout=200, kernel_name="python3",
                        resources={"metadata": {"path": str(tmp_path)}}).execute()
     finally:
-        if env_gpus is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = env_gpus
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     printed = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
     assert printed[0].strip() == "[(1, 6.0), (11, 6.0), (21, 6.0), (31, 6.0)]", printed
     assert printed[1].strip() == "rank 1 | ValueError: rank one is broken", printed
+    # the kernel is gone; its fork server follows it and removes the folder of its socket
+    deadline = time.monotonic() + 10
+    while list(kernel_tmp.glob("pymp-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = list(kernel_tmp.glob("pymp-*"))
+    shutil.rmtree(kernel_tmp, ignore_errors=True)
+    assert left == []

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm.flight import FlightDump, FlightRecorder, read_flight
-from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose, flight_folder
+from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose
 from shardlab.hangs import FAULTS
 from shardlab.launch import LaunchError, launch
+from shardlab.launch.recorders import flight_folder
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.wrap import unit_modules
 

@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.comm import all_gather_into, simulated_network
-from shardlab.comm.hang_diagnosis import flight_folder
 from shardlab.config import TrainConfig, checkpoint_folders_locked
 from shardlab.debugging import recompute_units
 from shardlab.cards import card
+from shardlab.launch.recorders import flight_folder
 from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placement,
                              rank_device, reaped_with_launches, under_torchrun,
                              whereabouts)

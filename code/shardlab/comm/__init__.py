@@ -26,7 +26,7 @@ the ledger on both, the ring and the flight recorder on the ledger, the diagnosi
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.comm.flight import FlightDump, FlightEntry, FlightRecorder, read_flight
-from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose, flight_folder
+from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose
 from shardlab.comm.ledger import (Ledger, clock_offset, simulate_network,
                                   simulated_network, throttle_link)
 from shardlab.comm.links import (INTER, INTRA, UNLABELLED, SimulatedNetwork, Throttle,
@@ -47,7 +47,7 @@ __all__ = [
     "ring_traffic", "clock_offset", "totals", "per_op", "per_step", "format_table",
     "volume_per_rank", "predict_seconds",
     "fit_alpha_beta", "FlightRecorder", "FlightEntry", "FlightDump", "read_flight",
-    "HangDiagnosis", "diagnose", "flight_folder", "label_link", "link_of", "per_link",
+    "HangDiagnosis", "diagnose", "label_link", "link_of", "per_link",
     "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",
     "Link", "fsdp_step_seconds", "hsdp_step_seconds", "HsdpSeconds", "hsdp_overlap",
     "SimulatedNetwork", "simulate_network", "simulated_network", "unsimulate_network", "wires",

@@ -62,7 +62,7 @@ class FlightEntry:
     numel: int
     dtype: str
     issuer: str        # "innermost < caller < ..." functions, "[unit]" when one issued it
-    step: int
+    step: int          # the training step (`mark_step`); -1 where the recorder has none
     started: float     # seconds since the recorder opened
     finished: bool
 
@@ -82,13 +82,13 @@ class FlightDump:
     entries: list[FlightEntry] = field(default_factory=list)
 
 
-def _issuer(inner: int = 2, outer: int = 3) -> str:
-    """Who called this collective: the frames outside torch, the ledger and the launcher,
-    innermost first, with a unit's or bucket's name where the frame's `self` has one. A
-    long chain keeps its `inner` innermost frames (which unit, which hook) and its `outer`
-    outermost (which part of the program: a training step, an evaluation, a generate)."""
+def caller_chain(frame, inner: int = 2, outer: int = 3) -> str:
+    """Who called, from `frame` outward: the frames outside torch, the ledger and the
+    launcher, innermost first, with a unit's or bucket's name where the frame's `self` has
+    one. A long chain keeps its `inner` innermost frames (which unit, which hook) and its
+    `outer` outermost (which part of the program: a training step, an evaluation, a
+    generate). The launcher reads it off a rank's waiting thread too."""
     names = []
-    frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         if not code.co_filename.startswith(_SKIPPED) and not code.co_name.startswith("<"):
@@ -100,6 +100,11 @@ def _issuer(inner: int = 2, outer: int = 3) -> str:
     if len(names) > inner + outer:
         names = names[:inner] + ["..."] + names[-outer:]
     return " < ".join(names)
+
+
+def _issuer() -> str:
+    """Who called the collective being recorded (the recorder's own frames left out)."""
+    return caller_chain(sys._getframe(2))
 
 
 class _Ring:
@@ -253,4 +258,4 @@ def read_flight(folder: str | os.PathLike) -> dict[int, FlightDump]:
     return dict(sorted(dumps.items()))
 
 
-__all__ = ["FlightRecorder", "FlightEntry", "FlightDump", "read_flight"]
+__all__ = ["FlightRecorder", "FlightEntry", "FlightDump", "read_flight", "caller_chain"]

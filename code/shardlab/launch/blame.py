@@ -52,6 +52,20 @@ def _ended_silently(ranks: list[RankProcess], run_dir: Path) -> list[RankProcess
             and (r.process.exitcode != 0 or not (run_dir / f"rank{r.rank}.result").exists())]
 
 
+def how_it_ended(code: int, crashed: bool) -> str:
+    """A silent end, from the rank's exit code, said after "rank R ": a signal (from
+    outside, or a crash in native code, which `crashed` says) or an exit without a word."""
+    if code >= 0:
+        return f"exited with code {code} without a result or an error"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = str(-code)
+    if crashed:
+        return f"crashed in native code (signal {name})"
+    return f"was killed by signal {name} (from outside, or by the kernel for lack of memory?)"
+
+
 def the_cause(ranks: list[RankProcess], run_dir: Path) -> RankFailed:
     """The rank whose failure ended the launch, whatever order the launcher learnt of
     the ends in.
@@ -64,7 +78,10 @@ def the_cause(ranks: list[RankProcess], run_dir: Path) -> RankFailed:
     may reach this process a moment after the echo (its sockets close before the kernel
     lets its parent read its exit), so an echo waits up to `ECHO_GRACE` for it. Only among
     ranks that wrote an error is the first one written the cause (a rank that raises
-    writes before its peers can notice it is gone)."""
+    writes before its peers can notice it is gone).
+
+    A rank that died is named with how, in the last line of `rank_traceback` (the line
+    a command line prints), and every rank that died is in the error's `died`."""
     errors = sorted(run_dir.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
     silent = _ended_silently(ranks, run_dir)
     if not silent and errors and any(m in errors[0].read_text() for m in LOST_PEER):
@@ -75,24 +92,20 @@ def the_cause(ranks: list[RankProcess], run_dir: Path) -> RankFailed:
                 r.process.exitcode is None for r in ranks):
             time.sleep(0.02)
             silent = _ended_silently(ranks, run_dir)
-    if silent:
-        r = silent[0]
-        code = r.process.exitcode
-        fault = fault_report(run_dir, r.rank)
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = str(-code)
-            how = (f"crashed in native code (signal {name}); where its threads were, from "
-                   f"Python's faulthandler:\n{fault}" if fault else
-                   f"was killed by signal {name} (from outside, or by the kernel for lack "
-                   f"of memory?)")
-        else:
-            how = f"exited with code {code} without a result or an error"
-        echoes = sorted(p.name[4:-6] for p in run_dir.glob("rank*.error"))
-        after = (f"; ranks {', '.join(echoes)} then failed in their collectives"
-                 if echoes else "")
-        return RankFailed(r.rank, f"the process {how}{after}")
-    first = errors[0]
-    return RankFailed(int(first.name[4:-6]), first.read_text())
+    if not silent:
+        first = errors[0]
+        return RankFailed(int(first.name[4:-6]), first.read_text())
+    faults = {r.rank: fault_report(run_dir, r.rank) for r in silent}
+    died = {r.rank: how_it_ended(r.process.exitcode, bool(faults[r.rank])) for r in silent}
+    cause = silent[0].rank
+    echoes = sorted(int(p.name[4:-6]) for p in run_dir.glob("rank*.error"))
+    after = ("" if not echoes else
+             f"; rank {echoes[0]} then failed in its collectives" if len(echoes) == 1 else
+             f"; ranks {', '.join(map(str, echoes))} then failed in their collectives")
+    said = f"rank {cause} {died[cause]}{after}"
+    if faults[cause]:
+        said = (f"where rank {cause}'s threads were, from Python's faulthandler:\n"
+                f"{faults[cause]}\n{said}")
+    failed = RankFailed(cause, said)
+    failed.died = died
+    return failed

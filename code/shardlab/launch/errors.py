@@ -6,13 +6,33 @@ A module of its own because every part of `shardlab.launch` raises them and a ca
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LaunchError(RuntimeError):
-    """A launch that could not start, or whose ranks did not all finish."""
+    """A launch that could not start, or whose ranks did not all finish.
+
+    When the ranks' flight recorders say something about a failed launch, `hang` holds
+    their diagnosis (a `shardlab.comm.HangDiagnosis`) and the message ends with it;
+    `died` names the ranks that died, each with how ("was killed by signal SIGKILL")."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.hang: Any = None
+        self.died: dict[int, str] = {}
+        self._bare = str(self)
+
+    def explain(self, diagnosis: Any) -> None:
+        """End the message with what the recorders say, replacing what an earlier
+        recorder said (the course's own, where the function kept one, says more than
+        PyTorch's)."""
+        self.hang = diagnosis
+        self.args = (f"{self._bare}\n\nWhat the flight recorders say: {diagnosis}",)
 
 
 class RankFailed(LaunchError):
-    """One rank raised; `rank` names it and `rank_traceback` is its traceback."""
+    """One rank raised or died; `rank` names it and `rank_traceback` is its traceback
+    (for a rank that died, what the launcher saw of its end, said last)."""
 
     def __init__(self, rank: int, rank_traceback: str):
         self.rank = rank

@@ -81,26 +81,63 @@ def die_with_parent(parent: int) -> None:
 
 # The reaper: a process without torch (it starts in milliseconds), started before any rank,
 # that holds the read end of a pipe from the launching process. It is given the run folder
-# as its argument and learns each rank's pid as the rank starts; if the pipe ends without
-# "done" (the launching process was killed, even by SIGKILL), it kills every rank and the
-# process group each rank leads, then removes the run folder, which nobody else would
-# remove until the next launch. A rank's own watchdog (`die_with_parent`) only starts once
-# the rank has imported torch and the launching script, seconds later on a busy machine:
-# the reaper covers those seconds.
+# as its argument and learns each rank's pid as the rank starts ("rank PID") and, before
+# the fork server starts, the folder of its socket ("folder PATH"); if the pipe ends
+# without "done" (the launching process was killed, even by SIGKILL), it kills every rank
+# and the process group each rank leads, then the fork server (found as the process that
+# holds the socket: its pid may never have reached the reaper), and removes the folders,
+# which nobody else would remove until the next launch (and the socket's folder,
+# multiprocessing's `pymp-*`, not even then). A rank's own watchdog (`die_with_parent`)
+# only starts once the rank has imported torch and the launching script, and the server
+# only watches its parent once it has imported them too: seconds on a busy machine
+# (measured: a server left importing for 24 s on a loaded 2-core machine). The reaper
+# covers those seconds.
 _REAPER = """
 import os, shutil, signal, sys
-pids, folders = [], sys.argv[1:]
-for line in sys.stdin.buffer:
-    if line.strip() == b"done":
-        sys.exit(0)
-    pids.append(int(line))
-for pid in pids:
-    for kill in (os.kill, os.killpg):
+
+def kill(pid, group=False):
+    for end in (os.kill, os.killpg) if group else (os.kill,):
         try:
-            kill(pid, signal.SIGKILL)
+            end(pid, signal.SIGKILL)
         except OSError:
             pass
-for folder in folders:  # the ranks are gone: nothing writes there any more
+
+def listening_in(folder):
+    # the processes holding a unix socket bound in `folder` (Linux: /proc)
+    try:
+        with open("/proc/net/unix") as table:
+            sockets = {f"socket:[{row.split()[6]}]" for row in table
+                       if row.split()[7:8] and row.split()[7].startswith(folder + "/")}
+    except (OSError, IndexError):
+        return []
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")) if sockets else ():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in fds):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+ranks, folders, socket_folders = [], sys.argv[1:], []
+for line in sys.stdin.buffer:
+    if not line.endswith(b"\\n"):
+        break  # cut short by the launching process's death: not an order
+    kind, _, value = line.decode().strip().partition(" ")
+    if kind == "done":
+        sys.exit(0)
+    if kind == "rank":
+        ranks.append(int(value))
+    elif kind == "folder":
+        folders.append(value)
+        socket_folders.append(value)
+for pid in ranks:  # a rank leads a process group: whatever it started goes with it
+    kill(pid, group=True)
+for folder in socket_folders:
+    for pid in listening_in(folder):
+        kill(pid)
+for folder in folders:  # the processes are gone: nothing writes there any more
     shutil.rmtree(folder, ignore_errors=True)
 """
 
@@ -132,7 +169,7 @@ def start_reaper(run_dir: str | os.PathLike | None = None) -> subprocess.Popen |
 
 
 def tell_reaper(reaper: subprocess.Popen | None, line: str) -> None:
-    """A rank's pid, or "done"."""
+    """"rank PID", "folder PATH" (the fork server's socket's), or "done"."""
     if reaper is None:
         return
     with contextlib.suppress(OSError):  # a reaper that is gone has nothing left to do

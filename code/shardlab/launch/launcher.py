@@ -22,6 +22,9 @@ What `launch` promises, because a stuck or half-dead job is the worst thing a la
   `RankFailed` that names the rank and carries its traceback; a rank killed by a signal
   (or that exits without a word) is named before the peers whose collectives it broke;
 * a rank that hangs is stopped by the timeout, which names the ranks still running;
+* a launch that fails or times out says which rank waits in which collective and what
+  the others last ran: every rank keeps PyTorch's flight recorder, dumped when the launch
+  fails and compared (`recorders`); a rank that died is said to have died, first;
 * Ctrl-C stops every rank; if the launching process is killed (even by SIGKILL), a
   small reaper process it started first kills the ranks at once and removes the run
   folder, and each rank's own watchdog ends it too once it is running;
@@ -53,7 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardlab.launch import carry
+from shardlab.launch import carry, recorders
 from shardlab.launch.blame import the_cause
 from shardlab.launch.devices import (Placement, choose_placement, place_this_rank,
                                      visible_gpus)
@@ -61,7 +64,7 @@ from shardlab.launch.errors import LaunchError, LaunchTimeout
 from shardlab.launch.hygiene import (OWNER, RUN_DIR_PREFIX, RankProcess, die_with_parent,
                                      dismiss_reaper, reclaim_run_dirs, start_reaper,
                                      stop_ranks, tell_reaper, terminate_as_exit)
-from shardlab.launch.starter import rank_context
+from shardlab.launch.starter import rank_context, socket_folder
 from shardlab.launch.torchrun import run_in_this_process, under_torchrun
 
 
@@ -154,6 +157,7 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
         os.environ.update(surroundings["environ"])
         os.chdir(surroundings["cwd"])
         sys.path[:] = surroundings["sys_path"]
+        recorders.turn_on(out_dir)
         # loaded here, not by multiprocessing, so that a function that cannot be found is
         # reported like any other failure of the rank (with its traceback)
         fn, args, kwargs = carry.unpack(payload)
@@ -163,7 +167,9 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
         place_this_rank(rank, where)
         dist.init_process_group(where.backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
+        recorders.answer_requests(out_dir, rank)
         result = fn(*args, **kwargs)
+        recorders.returned()
         tmp = out_dir / f"rank{rank}.result.tmp"
         tmp.write_bytes(carry.dumps_result(result))
         tmp.rename(out_dir / f"rank{rank}.result")
@@ -173,7 +179,8 @@ def _child_main(rank: int, world: int, port: int, payload: bytes, surroundings: 
         # written first, so a timeout still names only the ranks that had not finished.
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        recorders.dump(out_dir, rank, exc)
         (out_dir / f"rank{rank}.error").write_text(traceback.format_exc())
         sys.stdout.flush()
         sys.stderr.flush()
@@ -237,15 +244,24 @@ def launch(fn: Callable, world: int | None, *args: Any, backend: str = "auto",
         try:
             reaper = start_reaper(tmp)
             with carry.main_not_reimported():
+                folder = socket_folder(ctx)  # told before the fork server starts in it
+                if folder is not None:
+                    tell_reaper(reaper, f"folder {folder}")
                 for rank in range(world):
                     p = ctx.Process(target=_child_main, name=f"shardlab-rank{rank}",
                                     args=(rank, world, store.port, payload, surroundings,
                                           tmp, threads, timeout, os.getpid(), where),
                                     daemon=True)
                     p.start()
-                    tell_reaper(reaper, str(p.pid))
+                    tell_reaper(reaper, f"rank {p.pid}")
                     ranks.append(RankProcess(rank, p))
-            _wait_all(ranks, run_dir, timeout)
+            try:
+                _wait_all(ranks, run_dir, timeout)
+            except LaunchError as failure:
+                recorders.ask_ranks(run_dir, ranks)
+                stop_ranks(ranks)
+                recorders.explain(failure, run_dir, world)
+                raise
         finally:
             stop_ranks(ranks)
             dismiss_reaper(reaper)

@@ -9,7 +9,10 @@ kernel's, torch's thread pools), which is not safe.
 The fork server is the middle way multiprocessing offers: a clean process, started once per
 launching process, that imports torch and the package (and nothing else: it runs no torch
 operation, so it has no thread pool to copy) and then forks a rank on demand in
-milliseconds. It ends by itself when the launching process ends.
+milliseconds. It ends by itself when the launching process ends, and then removes the
+folder multiprocessing made for its socket (`in_forkserver`); if the launching process is
+killed during a launch, the launch's reaper ends it at once and removes the folder
+(`socket_folder` tells it where), rather than when the server has finished its imports.
 
 Its environment is the launching process's at the moment it started, and some variables
 are read when torch is imported. So a launch made after the environment changed (a
@@ -27,13 +30,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import threading
 from multiprocessing.context import BaseContext
 from typing import Iterator
 
-# What the fork server imports once: the launching script (as a spawned child would, so
-# that a function defined in it can be found), torch, and the package's training loop.
-PRELOAD = ["__main__", "torch", "torch.distributed", "shardlab.train"]
+# What the fork server imports once: how it ends, the launching script (as a spawned child
+# would, so that a function defined in it can be found; multiprocessing imports it first),
+# torch, and the package's training loop.
+PRELOAD = ["shardlab.launch.in_forkserver", "__main__", "torch", "torch.distributed",
+           "shardlab.train"]
 # Set by pytest around every test: not part of what a rank should see.
 VOLATILE = {"PYTEST_CURRENT_TEST"}
 
@@ -49,11 +55,16 @@ def _environment() -> dict[str, str]:
 def _stop_server() -> bool:
     """Stop this process's fork server, so that the next rank starts a new one; False
     where this Python offers no way to. (`_stop` is the method multiprocessing's own tests
-    use; it waits for the server to exit.)"""
+    use; it waits for the server to exit.) A SIGTERM first: a server that ends by its
+    pipe removes the folder of its socket (`in_forkserver`), where the next one goes."""
     from multiprocessing import forkserver
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is None:
         return False
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
     stop()
     return True
 
@@ -85,3 +96,13 @@ def rank_context() -> Iterator[BaseContext]:
     finally:
         with _lock:
             _live_launches -= 1
+
+
+def socket_folder(context: BaseContext) -> str | None:
+    """The folder multiprocessing keeps the fork server's socket in (this process's
+    `pymp-*`, made now if it is not yet), for the reaper to remove if this process is
+    killed; None for a context that spawns."""
+    if context.get_start_method() != "forkserver":
+        return None
+    from multiprocessing import util
+    return util.get_temp_dir()
