@@ -43,10 +43,10 @@ def ring_sum(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"grads must be [ranks, elements], got shape {tuple(grads.shape)}")
     world, numel = grads.shape
     chunk = -(-numel // world)
-    padded = torch.zeros(world, world * chunk, dtype=dtype)
+    padded = torch.zeros(world, world * chunk, dtype=dtype, device=grads.device)
     padded[:, :numel] = grads.to(dtype)
     pieces = padded.view(world, world, chunk)          # [rank, chunk index, elements]
-    chunks = torch.arange(world)
+    chunks = torch.arange(world, device=grads.device)
     total = pieces[(chunks + 1) % world, chunks].clone()  # each chunk leaves rank c+1
     for k in range(2, world + 1):                      # ... and rank c+k adds its own
         total = total + pieces[(chunks + k) % world, chunks]
@@ -112,7 +112,8 @@ def model_gradients(model: str = "gpt-tiny", ranks: int = 64, micro_batches: int
 
     net = build_model(model, seed)
     params = [p for p in net.parameters() if p.requires_grad]
-    out = torch.empty(ranks, micro_batches, sum(p.numel() for p in params))
+    out = torch.empty(ranks, micro_batches, sum(p.numel() for p in params),
+                      device=params[0].device)
     for rank in range(ranks):
         for micro in range(micro_batches):
             x, y = get_batch(0, rank, ranks, batch_size * ranks * micro_batches, seq_len,
