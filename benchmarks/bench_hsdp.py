@@ -34,9 +34,9 @@ import statistics
 import sys
 
 from shardlab import comm, demo
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.report import collective_seconds, median_step_time, unit_sizes
-from shardlab.train import TrainConfig
 
 
 def step_time(reports) -> float:

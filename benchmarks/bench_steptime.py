@@ -36,14 +36,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from shardlab import viz
 from shardlab.cards import CARDS
+from shardlab.config import TrainConfig
 from shardlab.demo import measure_machine, run_all
 from shardlab.launch import launch
-from shardlab import viz
 from shardlab.models import build_model
 from shardlab.report import ledger_totals, median_step_time, production_metrics
 from shardlab.steptime import predict_step
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 
 # the strategies of the results file (any strategy whose card has a schedule can run)
 STRATEGIES = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero3", "fsdp2",

@@ -14,8 +14,9 @@ from dataclasses import replace
 import pytest
 
 import zero_workers as w
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 from shardlab.zero import ZERO_OPTIONS, schedule_timeline
 
 SMALL = 4096  # elements: gpt-tiny in 19 buckets

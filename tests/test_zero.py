@@ -27,11 +27,11 @@ import torch
 
 import zero_workers as w
 from shardlab import memory
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import optimizer_spec
-from shardlab.train import TrainConfig
 from shardlab.zero import ZeroOptimizer, schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout

@@ -22,9 +22,9 @@ from shardlab.cards import OURS, card, names
 from shardlab.debugging import check_memory_limit, check_straggler
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
                              corpus_tokens, longest_sequence)
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_strategy,
-                               optimizer_spec)
+from shardlab.strategy import check_before_launch, checkpoint_refusal, get_strategy
 
 
 @dataclass

@@ -43,11 +43,11 @@ from torch import nn
 from torch.autograd import Variable
 
 from shardlab.buckets import DEFAULT_BUCKET_MB, MB, fill_in_backward_order
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.precision import Precision
-from shardlab.strategy import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
-                               check_options, replicated)
+from shardlab.strategy import Wrapped, cast_model, check_options, replicated
 
 
 # ----------------------------------------------------------------------------- wrap time

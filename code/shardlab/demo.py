@@ -78,7 +78,7 @@ def all_reduce_equals_reduce_scatter_all_gather(numel: int = 1024, seed: int = 0
 
 
 def _device() -> torch.device:
-    from shardlab.launch import rank_device
+    from shardlab.launch.devices import rank_device
     return rank_device()
 
 

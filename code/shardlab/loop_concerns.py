@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.clock import StepClock
-from shardlab.comm import Ledger, clock_offset
 from shardlab.comm.flight import FlightRecorder
+from shardlab.comm.ledger import Ledger, clock_offset
 from shardlab.config import TrainConfig, resume_folder
 from shardlab.debugging import memory_limit, straggle
 from shardlab.launch.quiet import quiet_stderr

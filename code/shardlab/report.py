@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from shardlab.launch import Whereabouts
+from shardlab.launch.torchrun import Whereabouts
 
 # ----------------------------------------------------------------------------- the report
 

@@ -11,7 +11,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 
 
 def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: int = 32
@@ -26,10 +26,11 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     from torch.distributed.tensor.debug import CommDebugMode
 
     from shardlab.models import build_model, get_batch
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.sharded import tracing
+    from shardlab.sharded.unit import tracing
     from shardlab.step import train_step
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
 
     import warnings
 

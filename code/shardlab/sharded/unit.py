@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.sharded.model import ParamSlot, ShardedModel
 
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from shardlab.comm import all_gather_into
+from shardlab.comm.compat import all_gather_into
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.layout import Bucket, in_forward_order
 from shardlab.zero.trace import StepTrace

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.comm import reduce_scatter_into
+from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.trace import StepTrace
 

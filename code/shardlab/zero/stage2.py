@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardlab.comm import reduce_scatter_into
+from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.layout import Bucket, in_backward_order
 from shardlab.zero.trace import StepTrace

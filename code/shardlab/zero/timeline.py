@@ -11,10 +11,11 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
+from shardlab.strategy import get_strategy
 from shardlab.zero.optimizer import ZeroOptimizer
 
 
