@@ -36,7 +36,7 @@ import sys
 from shardlab import comm, demo
 from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.report import collective_seconds, median_step_time, unit_sizes
+from shardlab.report import median_collective_time, median_step_time, unit_sizes
 
 
 def step_time(reports) -> float:
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         hsdp = comm.hsdp_step_seconds(unit_sizes(hsdp_runs[0][0]), args.world,
                                       args.shard_group, fast, slow)
         pred_hsdp = hsdp.serial  # what a CPU run does: each all-reduce blocks
-        meas_fsdp = statistics.median(collective_seconds(run[0]) for run in fsdp_runs)
-        meas_hsdp = statistics.median(collective_seconds(run[0]) for run in hsdp_runs)
+        meas_fsdp = statistics.median(median_collective_time(run[0]) for run in fsdp_runs)
+        meas_hsdp = statistics.median(median_collective_time(run[0]) for run in hsdp_runs)
         step_fsdp = statistics.median(step_time(run) for run in fsdp_runs)
         step_hsdp = statistics.median(step_time(run) for run in hsdp_runs)
         row = {"factor": factor, "predicted_comm_ms": [1e3 * pred_fsdp, 1e3 * pred_hsdp],

@@ -233,7 +233,7 @@ def test_the_node_model_of_hsdp_against_fsdp():
     nbytes, world, s = 2e9, 64, 8
     h = network.hsdp_collectives_seconds(nbytes, world, s, units=4)
     assert h.intra_node == pytest.approx(network.fsdp_collectives_seconds(nbytes, s))
-    assert h.inter_node == pytest.approx(network.collective_seconds(
+    assert h.inter_node == pytest.approx(network.collective_seconds_on_cluster(
         "all_reduce", nbytes / s, world // s, ranks_per_node=1))
     assert network.hsdp_collectives_seconds(nbytes, s, s, units=4).inter_node == 0.0
     with pytest.raises(ValueError, match="shard_group must divide"):

@@ -28,7 +28,7 @@ LAYERS = {
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
-        "clip", "optimizers", "buckets"},
+        "clip", "optimizers", "buckets", "units"},
     2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",

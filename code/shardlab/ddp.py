@@ -42,12 +42,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from shardlab.buckets import DEFAULT_BUCKET_MB, MB, fill_in_backward_order
+from shardlab.buckets import DEFAULT_BUCKET_MB, fill_in_backward_order
 from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.precision import Precision
 from shardlab.strategy import Wrapped, cast_model, check_options, replicated
+from shardlab.units import MiB
 
 
 # ----------------------------------------------------------------------------- wrap time
@@ -199,7 +200,7 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float,
     smaller (`first_bucket_mb`), so the first all-reduce starts early in backward, as
     PyTorch's DDP does."""
     return [GradBucket(members) for members in
-            fill_in_backward_order(params, bucket_mb * MB, first_bucket_mb * MB)]
+            fill_in_backward_order(params, bucket_mb * MiB, first_bucket_mb * MiB)]
 
 
 class BucketedDataParallel(_DataParallel):

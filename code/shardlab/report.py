@@ -145,7 +145,7 @@ def unit_sizes(report: RunReport) -> list[int]:
             if r.step == last and r.op == "reduce_scatter"]
 
 
-def collective_seconds(report: RunReport) -> float:
+def median_collective_time(report: RunReport) -> float:
     """The seconds of the step's collectives added up, median over the steady steps (on
     gloo and a CPU they barely overlap compute: close to the step's communication)."""
     return statistics.median(sum(r.seconds for r in report.ledger if r.step == s)
