@@ -19,8 +19,9 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     """Run on every rank (with `shardlab.launch.launch`): for each case
     {strategy, options, model, precision}, train `steps` steps and look inside the last:
     PyTorch's own count of the c10d collectives it ran (`CommDebugMode`, which sees ours and
-    `fully_shard`'s alike), the timeline of our schedule (ours only), the step times, the
-    losses, and the parameters as the module shows them (name, shape, dtype)."""
+    `fully_shard`'s alike), the timeline of our schedule (ours only: each unit's
+    `shardlab.trace.Event`s, t in seconds from the step's start, in order), the step times,
+    the losses, and the parameters as the module shows them (name, shape, dtype)."""
     import time
 
     from torch.distributed.tensor.debug import CommDebugMode
@@ -28,9 +29,9 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     from shardlab.models import build_model, get_batch
     from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.sharded.unit import tracing
     from shardlab.step import train_step
     from shardlab.strategy import get_strategy
+    from shardlab.trace import relative_to, tracing
 
     import warnings
 
@@ -56,7 +57,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
             counter = CommDebugMode() if last else contextlib.nullcontext()
             tracer = tracing() if last else contextlib.nullcontext()
             dist.barrier()
-            with counter, tracer as trace:
+            with counter, tracer as recorded:
                 start = time.perf_counter()
                 loss = train_step(wrapped, [(x, y)])
                 times.append(time.perf_counter() - start)
@@ -64,7 +65,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
             if last:
                 counts = {str(op).split(".")[-1]: n
                           for op, n in counter.get_comm_counts().items()}
-                events = [(t - start, unit, what, edge) for t, unit, what, edge in trace]
+                events = relative_to(recorded, start)
         results.append({"case": case, "losses": losses, "step_times": times,
                         "collectives": counts, "events": sorted(events), "shown": shown})
     return results
