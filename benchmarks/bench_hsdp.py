@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 
-from shardlab import comm, demo
+from shardlab import comm, workers
 from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.report import median_collective_time, median_step_time, unit_sizes
@@ -51,7 +51,8 @@ LINK_SIZES = (2**12, 2**15, 2**18, 2**20, 2**22)
 
 def measure_then_train(runs: list[tuple], ranks_per_node: int):
     """Worker: fit this machine's link on all-gathers of `LINK_SIZES`, then train."""
-    return demo.train_across_nodes(runs, ranks_per_node, demo.measure_link(LINK_SIZES))
+    link = workers.measure_link(LINK_SIZES)
+    return workers.train_across_nodes(runs, ranks_per_node, link)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,10 @@ import sharded_workers as w
 from shardlab import comm, network
 from shardlab.comm import hsdp_volume_per_link, volume_per_rank
 from shardlab.config import TrainConfig
-from shardlab.demo import run_all, train_across_nodes
 from shardlab.launch import launch
 from shardlab.memory import model_states
 from shardlab.train import run, train_many
+from shardlab.workers import run_all, train_across_nodes
 
 STEPS = 6
 SHAPES = [(4, 2), (4, 1)]  # (N, S)

@@ -23,7 +23,7 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
         "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet", "rendezvous",
-        "precision", "measure", "clock", "hardware", "network", "steptime", "models", "wrap", "manifest", "debugging",
+        "precision", "measure", "clock", "hardware", "network", "steptime", "models", "wrap", "manifest", "faults",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
@@ -41,7 +41,7 @@ LAYERS = {
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "loop_concerns", "train", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "workers", "cli", "__main__", "hang_runs"},
 }
 
 

@@ -28,7 +28,7 @@ guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
-`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.demo.measure_machine` runs them on
+`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on
 every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings

@@ -43,7 +43,6 @@ from shardlab.comm.compat import all_gather_into
 from shardlab.comm.hang_diagnosis import flight_folder
 # (labs 3 to 10 still import `TrainConfig` from here too; it is defined in `shardlab.config`)
 from shardlab.config import TrainConfig, checkpoint_folders_locked
-from shardlab.debugging import recompute_units
 from shardlab.launch.devices import placement, rank_device
 from shardlab.launch.errors import RankFailed
 from shardlab.launch.hygiene import OWNER, RUN_DIR_PREFIX, reaped_with_launches
@@ -60,6 +59,7 @@ from shardlab.report import median_step_time  # noqa: F401
 from shardlab.step import train_step
 from shardlab.steptime import datasheet_peak, matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters
+from shardlab.wrap import recompute_units
 
 # ----------------------------------------------------------------------------- the loop
 

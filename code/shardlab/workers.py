@@ -1,7 +1,11 @@
-"""Workers for the collectives chapter and labs (and the launcher's smallest example).
+"""The workers the chapters and labs launch (and the launcher's smallest example).
 
-Spawned ranks can only run functions they can import, so everything a notebook asks the
-ranks to do lives here; the notebook launches it and prints or draws what comes back.
+Spawned ranks can only run functions they can import, so what a notebook asks the ranks
+to do lives here, unless it belongs to one strategy (`shardlab.ddp.timeline_worker`,
+`shardlab.zero.schedule_timeline`, `shardlab.fsdp.step_probe`): the collectives rank by
+rank and the bytes they put on the wire, their timings, several runs in one launch,
+training across simulated nodes, and the machine as the step-time model sees it. The
+notebook launches them and prints or draws what comes back.
 """
 
 from __future__ import annotations
