@@ -33,10 +33,10 @@ import json
 import statistics
 import sys
 
-from shardlab import comm, demo
+from shardlab import comm, workers
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.report import collective_seconds, median_step_time, unit_sizes
-from shardlab.train import TrainConfig
+from shardlab.report import median_collective_time, median_step_time, unit_sizes
 
 
 def step_time(reports) -> float:
@@ -51,7 +51,8 @@ LINK_SIZES = (2**12, 2**15, 2**18, 2**20, 2**22)
 
 def measure_then_train(runs: list[tuple], ranks_per_node: int):
     """Worker: fit this machine's link on all-gathers of `LINK_SIZES`, then train."""
-    return demo.train_across_nodes(runs, ranks_per_node, demo.measure_link(LINK_SIZES))
+    link = workers.measure_link(LINK_SIZES)
+    return workers.train_across_nodes(runs, ranks_per_node, link)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         hsdp = comm.hsdp_step_seconds(unit_sizes(hsdp_runs[0][0]), args.world,
                                       args.shard_group, fast, slow)
         pred_hsdp = hsdp.serial  # what a CPU run does: each all-reduce blocks
-        meas_fsdp = statistics.median(collective_seconds(run[0]) for run in fsdp_runs)
-        meas_hsdp = statistics.median(collective_seconds(run[0]) for run in hsdp_runs)
+        meas_fsdp = statistics.median(median_collective_time(run[0]) for run in fsdp_runs)
+        meas_hsdp = statistics.median(median_collective_time(run[0]) for run in hsdp_runs)
         step_fsdp = statistics.median(step_time(run) for run in fsdp_runs)
         step_hsdp = statistics.median(step_time(run) for run in hsdp_runs)
         row = {"factor": factor, "predicted_comm_ms": [1e3 * pred_fsdp, 1e3 * pred_hsdp],

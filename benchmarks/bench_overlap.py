@@ -24,9 +24,10 @@ import statistics
 import sys
 from dataclasses import replace
 
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.report import median_step_time, production_metrics
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 
 
 def step_time(reports) -> float:

@@ -5,7 +5,7 @@
     python benchmarks/bench_steptime.py --trace traces      # one profiled step each
 
 For each world size, each repetition is one launch that first measures the machine as the
-model sees it (`shardlab.demo.measure_machine`: the rate of each model's own forward and
+model sees it (`shardlab.workers.measure_machine`: the rate of each model's own forward and
 backward, no communication,
 AdamW's rate, how much of an all-reduce compute hides, α and β) and then trains every
 (model, strategy) once, in turn, so that a noisy minute on a shared machine hits them
@@ -36,14 +36,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from shardlab.cards import CARDS
-from shardlab.demo import measure_machine, run_all
-from shardlab.launch import launch
 from shardlab import viz
+from shardlab.cards import CARDS
+from shardlab.config import TrainConfig
+from shardlab.launch import launch
 from shardlab.models import build_model
 from shardlab.report import ledger_totals, median_step_time, production_metrics
 from shardlab.steptime import predict_step
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
+from shardlab.workers import measure_machine, run_all
 
 # the strategies of the results file (any strategy whose card has a schedule can run)
 STRATEGIES = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero3", "fsdp2",

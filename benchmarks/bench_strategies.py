@@ -19,9 +19,10 @@ import statistics
 import sys
 from dataclasses import replace
 
-from shardlab.report import ledger_totals, median_step_time, report_to_json
 from shardlab.cards import CARDS
-from shardlab.train import TrainConfig, run
+from shardlab.config import TrainConfig
+from shardlab.report import ledger_totals, median_step_time, report_to_json
+from shardlab.train import run
 
 AGAINST = ("pytorch", "deepspeed")
 

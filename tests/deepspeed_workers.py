@@ -12,10 +12,12 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from shardlab.config import TrainConfig
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
-from shardlab.train import TrainConfig, train_worker
+from shardlab.strategy import get_strategy
+from shardlab.train import train_worker
 from zero_workers import compared, reference
 
 

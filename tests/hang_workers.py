@@ -3,7 +3,8 @@
 import tempfile
 
 from shardlab.comm import per_step
-from shardlab.train import TrainConfig, train_worker
+from shardlab.config import TrainConfig
+from shardlab.train import train_worker
 
 
 def _summary(report) -> dict:

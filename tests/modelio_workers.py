@@ -8,9 +8,10 @@ from shardlab import checkpoint
 from shardlab.launch import rank_device
 from shardlab.modelio import wrap_on_meta
 from shardlab.models import build_model, get_batch
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.step import HeldAfterStep, train_step
-from shardlab.strategy import named_full_parameters, optimizer_spec
+from shardlab.strategy import named_full_parameters
 
 SEED = 3  # the weights written to the folders; a build with any other seed differs
 

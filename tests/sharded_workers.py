@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import get_precision
 from shardlab.step import NOTHING, HeldAfterStep, train_step
-from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
+from shardlab.strategy import Wrapped, get_strategy
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -246,7 +247,7 @@ def suite(parity: list[dict] = (), sizes: list[dict] = (), errors: list[str] = (
           helpers: bool = False, train: list = (), steps: int = 10,
           order: list[str] = ()) -> dict:
     """Everything one test file checks on one world size, in one launch; `train` are
-    `shardlab.train.TrainConfig`s run by the course's own loop; `order`, strategies whose
+    `shardlab.config.TrainConfig`s run by the course's own loop; `order`, strategies whose
     order of gathers and compute is recorded (`gather_order`)."""
     from shardlab.train import train_worker
 

@@ -32,10 +32,11 @@ import pytest
 import torch
 
 from shardlab import memory
+from shardlab.config import TrainConfig
 from shardlab.deepspeed_ref import deepspeed_missing, predicted_for
 from shardlab.launch import launch
 from shardlab.models import build_model
-from shardlab.train import TrainConfig, train_many, train_worker
+from shardlab.train import train_many, train_worker
 from shardlab.wrap import unit_modules
 
 pytest.importorskip("transformers", reason="the Hugging Face models need transformers")

@@ -24,9 +24,10 @@ from shardlab.cards import CARDS, DEEPSPEED, OURS, PYTORCH, SINGLE_PROCESS, card
 from shardlab.cli import _config, build_parser
 from shardlab.deepspeed_ref import deepspeed_missing
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.steptime import Machine, predict_step
-from shardlab.strategy import get_strategy, optimizer_spec, resolve
+from shardlab.strategy import get_strategy, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from shardlab import checkpoint
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model, get_batch, loss_fn
-from shardlab.train import TrainConfig, train_many, train_worker
+from shardlab.train import train_many, train_worker
 
 STRATEGIES = ["zero1", "zero2", "torch-zero1", "zero3", "fsdp2", "torch-fsdp2"]
 # bf16-mixed: fp32 masters apart from the parameters (torch-zero1: only on the rank that

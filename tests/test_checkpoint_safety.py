@@ -29,9 +29,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardlab import checkpoint
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.manifest import MANIFEST, CheckpointError
-from shardlab.train import TrainConfig, run, train_worker
+from shardlab.train import run, train_worker
 
 CONFIG = TrainConfig(steps=3, save_every=1, seq_len=16, measure_memory=False,
                      record_ledger=False, keep_params=True)
@@ -122,8 +123,9 @@ def test_a_shard_that_verifies_but_does_not_read_gets_one_error_naming_it(saved)
 def checkpoint_wrapped():
     """A single-process model and optimizer to load into."""
     from shardlab.models import build_model
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
     return get_strategy("single")(build_model("gpt-tiny"), get_precision("fp32"),
                                   optimizer_spec("adamw", 1e-3), {})
 
@@ -318,8 +320,9 @@ def test_a_full_disk_is_told_plainly_and_leaves_no_tmp(small_disk, tmp_path, mon
 
 def train_worker_wrapped():
     from shardlab.models import build_model
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
     return get_strategy("single")(build_model("gpt-tiny"), get_precision("fp32"),
                                   optimizer_spec("adamw", 1e-3), {})
 

@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from shardlab import checkpoint
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 
 pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
 

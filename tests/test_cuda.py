@@ -21,8 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 
 pytestmark = [
     pytest.mark.cuda,

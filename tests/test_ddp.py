@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from shardlab import comm, memory
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
-from shardlab.train import TrainConfig, train_worker
+from shardlab.train import train_worker
 
 STEPS = 10
 BASE = TrainConfig(steps=STEPS, model="gpt-tiny", keep_params=True, measure_memory=False,
@@ -184,8 +185,9 @@ def wrap_time_checks():
     rank; (2) same model, different values per rank: the wrap broadcasts rank 0's."""
     import torch.distributed as dist
     from shardlab.ddp import BucketedDataParallel, NaiveDataParallel
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
     messages = []
     for strategy in ("ddp", "ddp-naive", "torch-ddp"):
         name = "toy-tied" if dist.get_rank() == 1 else "toy-frozen"

@@ -22,11 +22,12 @@ import pytest
 
 import deepspeed_workers as w
 from shardlab import deepspeed_ref, memory
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
-from shardlab.train import TrainConfig
+from shardlab.strategy import get_strategy
 
 STEPS = 10
 FP32_LOSS_TOL, FP32_PARAM_TOL = 1e-5, 1e-4

@@ -185,7 +185,8 @@ def test_the_cuts_are_zero3_s_and_fsdp2_s_own_ranges(world):
     """Wrapped on rank 0 of a fake group, zero3 and fsdp2 report every rank's range of
     every parameter (`Wrapped.pieces`): the diagram draws the same."""
     from shardlab.precision import get_precision
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.optimizers import optimizer_spec
+    from shardlab.strategy import get_strategy
 
     names = {"a.weight": "w1", "b.weight": "w2", "b.bias": "b2"}
     assert [(n, s) for n, s in diagrams.UNIT] == \

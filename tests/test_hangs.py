@@ -15,10 +15,11 @@ import pytest
 
 from shardlab.cli import main
 from shardlab.comm import FlightDump, FlightEntry, diagnose, ring_traffic
+from shardlab.config import TrainConfig
 from shardlab.hang_runs import ended_by_timeout, run_hangs
 from shardlab.hangs import FAULTS
 from shardlab.launch import OWNER, RUN_DIR_PREFIX, RankFailed, launch
-from shardlab.train import TrainConfig, run
+from shardlab.train import run
 
 from hang_workers import train_with_and_without_recorder
 

@@ -24,10 +24,11 @@ import pytest
 import sharded_workers as w
 from shardlab import comm, network
 from shardlab.comm import hsdp_volume_per_link, volume_per_rank
-from shardlab.demo import run_all, train_across_nodes
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.memory import model_states
-from shardlab.train import TrainConfig, run, train_many
+from shardlab.train import run, train_many
+from shardlab.workers import run_all, train_across_nodes
 
 STEPS = 6
 SHAPES = [(4, 2), (4, 1)]  # (N, S)
@@ -232,7 +233,7 @@ def test_the_node_model_of_hsdp_against_fsdp():
     nbytes, world, s = 2e9, 64, 8
     h = network.hsdp_collectives_seconds(nbytes, world, s, units=4)
     assert h.intra_node == pytest.approx(network.fsdp_collectives_seconds(nbytes, s))
-    assert h.inter_node == pytest.approx(network.collective_seconds(
+    assert h.inter_node == pytest.approx(network.collective_seconds_on_cluster(
         "all_reduce", nbytes / s, world // s, ranks_per_node=1))
     assert network.hsdp_collectives_seconds(nbytes, s, s, units=4).inter_node == 0.0
     with pytest.raises(ValueError, match="shard_group must divide"):

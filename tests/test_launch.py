@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import launch_workers as w
-from shardlab import checkpoint, demo
+from shardlab import checkpoint, workers
 from shardlab.launch.hygiene import reclaim_run_dirs
 from shardlab.launch import (LaunchError, LaunchTimeout, RankFailed, choose_placement, launch,
                              placement, resolve_backend)
@@ -94,7 +94,7 @@ def test_backend_auto_is_gloo_without_gpus():
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    assert launch(demo.whoami, 2) == [(0, 2, "gloo"), (1, 2, "gloo")]
+    assert launch(workers.whoami, 2) == [(0, 2, "gloo"), (1, 2, "gloo")]
 
 
 def test_an_exception_names_the_rank_and_stops_the_others():
@@ -227,7 +227,7 @@ def test_a_function_from_a_script_main_runs(tmp_path):
 def test_under_torchrun_the_same_worker_sees_the_environment(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
-        from shardlab.demo import whoami
+        from shardlab.workers import whoami
         from shardlab.launch import launch
         results = launch(whoami, None)
         import os

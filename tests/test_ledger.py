@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab import comm, demo
+from shardlab import comm, workers
 from shardlab.launch import launch
 
 WORLD = 4
@@ -150,7 +150,7 @@ def record_everything() -> dict[str, list]:
         gc.enable()
 
     if os.path.exists("/proc/self/io"):  # the bytes really written to gloo's sockets
-        out["wire"] = demo.socket_bytes(["ring_reduce_scatter", "ring_all_reduce",
+        out["wire"] = workers.socket_bytes(["ring_reduce_scatter", "ring_all_reduce",
                                          "all_reduce", "reduce_scatter", "all_gather"], 1 << 16)
     return out
 

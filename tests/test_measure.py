@@ -211,8 +211,9 @@ def test_peak_counts_declared_optimizer_tensors():
 
 def test_the_training_loops_report_matches_the_formulas():
     """The report of `train.run` (the course's own loop and DDP) carries the same bytes."""
+    from shardlab.config import TrainConfig
     from shardlab.models import build_model
-    from shardlab.train import TrainConfig, run
+    from shardlab.train import run
 
     model = build_model("gpt-tiny")
     psi, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
@@ -282,7 +283,8 @@ def test_zero2_peak_holds_its_gradient_shard():
     """The report of a real ZeRO-2 run: at the peak of its last step the gradient shard
     ((2 + 0) bytes x Ψ / N in bf16) is there, under "grads", and the parameters are the
     flat buffer alone."""
-    from shardlab.train import TrainConfig, run
+    from shardlab.config import TrainConfig
+    from shardlab.train import run
 
     for r in run(TrainConfig(strategy="zero2", world=2, steps=2, precision="bf16-mixed",
                              record_ledger=False)):

@@ -16,14 +16,15 @@ from modelio_workers import SEED, meta_cases
 from shardlab import memory
 from shardlab.cards import CARDS
 from shardlab.config import TrainConfig
-from shardlab.memory.planner import main as memory_main
 from shardlab.launch import launch
+from shardlab.memory.planner import main as memory_main
 from shardlab.modelio import build_on_meta, check_matches, read_model_config
 from shardlab.modelio.export import export_hf, main as export_main
 from shardlab.modelio.host_memory import WARM_UP, load_one_way, predicted_bytes
 from shardlab.models import build_model, get_batch
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
+from shardlab.strategy import get_strategy
 
 transformers = pytest.importorskip("transformers")
 SKIPPED = "model.rotary_emb.inv_freq"

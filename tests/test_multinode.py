@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.train import TrainConfig, train_many
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
+from shardlab.train import train_many
 
 HERE = Path(__file__).parent
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2")

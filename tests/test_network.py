@@ -4,6 +4,7 @@ import pytest
 
 from shardlab import hardware, memory, network
 from shardlab.network import H100_NODES, Cluster
+from shardlab.units import GiB
 
 
 def test_the_h100_node_is_the_scaling_books():
@@ -34,7 +35,7 @@ def test_a_layer_gather_behind_its_forward_has_the_same_threshold():
 
 
 def test_inside_a_node_the_ring_runs_on_nvlink():
-    t = network.collective_seconds("all_gather", 7e9, 8)
+    t = network.collective_seconds_on_cluster("all_gather", 7e9, 8)
     assert t == pytest.approx(7 / 8 * 7e9 / hardware.NVLINK)
     assert network.bytes_leaving_node("all_gather", 7e9, 8) == 0
 
@@ -42,13 +43,13 @@ def test_inside_a_node_the_ring_runs_on_nvlink():
 def test_one_rank_per_node_gets_one_nic():
     """A group with one rank per node (HSDP's replicas, TP across nodes): all 8 GPUs of a
     node send at once, each at one NIC's rate."""
-    t = network.collective_seconds("all_reduce", 1e9, 8, ranks_per_node=1)
+    t = network.collective_seconds_on_cluster("all_reduce", 1e9, 8, ranks_per_node=1)
     assert t == pytest.approx(2 * 7 / 8 * 1e9 / hardware.NIC)
 
 
 def test_alpha_adds_one_latency_per_round():
-    t0 = network.collective_seconds("all_reduce", 1e9, 64)
-    t1 = network.collective_seconds("all_reduce", 1e9, 64, alpha=5e-6)
+    t0 = network.collective_seconds_on_cluster("all_reduce", 1e9, 64)
+    t1 = network.collective_seconds_on_cluster("all_reduce", 1e9, 64, alpha=5e-6)
     assert t1 - t0 == pytest.approx(2 * 63 * 5e-6)
 
 
@@ -72,9 +73,9 @@ def test_the_hsdp_sections_count_per_node():
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="op"):
-        network.collective_seconds("broadcast", 1, 8)
+        network.collective_seconds_on_cluster("broadcast", 1, 8)
     with pytest.raises(ValueError, match="ranks_per_node"):
-        network.collective_seconds("all_reduce", 1, 16, ranks_per_node=3)
+        network.collective_seconds_on_cluster("all_reduce", 1, 16, ranks_per_node=3)
 
 
 def test_every_figure_has_a_unit_and_a_source():
@@ -82,4 +83,4 @@ def test_every_figure_has_a_unit_and_a_source():
         assert f.unit in {"B", "B/s", "FLOP/s", "s"} and f.source
         assert f.text()
     # an "80GB" H100 is 80 GiB of HBM, of which CUDA reports about 79.6 GiB
-    assert hardware.H100_MEMORY / hardware.GiB == pytest.approx(79.6, abs=0.05)
+    assert hardware.H100_MEMORY / GiB == pytest.approx(79.6, abs=0.05)

@@ -14,8 +14,9 @@ from dataclasses import replace
 import pytest
 
 import zero_workers as w
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.train import TrainConfig, train_many
+from shardlab.train import train_many
 from shardlab.zero import ZERO_OPTIONS, schedule_timeline
 
 SMALL = 4096  # elements: gpt-tiny in 19 buckets
@@ -86,22 +87,22 @@ def test_the_all_gathers_run_during_the_step_and_are_waited_for_in_the_next_forw
     for rank_timelines in timelines:
         for name, events in rank_timelines.items():
             def first(what, edge="start"):
-                return min(t for t, w, _, e in events if w == what and e == edge)
+                return min(t for t, _, w, e in events if w == what and e == edge)
 
             def last(what, edge="end"):
-                return max(t for t, w, _, e in events if w == what and e == edge)
+                return max(t for t, _, w, e in events if w == what and e == edge)
 
-            buckets = {b for _, w, b, _ in events if w == "all-gather"}
+            buckets = {b for _, b, w, _ in events if w == "all-gather"}
             assert len(buckets) > 2, name
             # bucket 0's all-gather starts before the last bucket is stepped
             assert first("all-gather") < last("optimizer step"), name
             # each bucket is stepped, then gathered: one optimizer step per bucket
-            steps = [b for _, w, b, e in events if w == "optimizer step" and e == "start"]
-            gathers = [b for _, w, b, e in events if w == "all-gather" and e == "start"]
+            steps = [b for _, b, w, e in events if w == "optimizer step" and e == "start"]
+            gathers = [b for _, b, w, e in events if w == "all-gather" and e == "start"]
             assert steps == gathers == sorted(buckets), name
             # the next forward waits for each bucket, in the model's order; so did this
             # step's forward, for the previous step's all-gathers
-            waits = [(t, b) for t, w, b, e in events if w == "wait for all-gather"
+            waits = [(t, b) for t, b, w, e in events if w == "wait for all-gather"
                      and e == "start"]
             begin, end = first("next forward"), last("next forward")
             assert [b for t, b in waits if begin <= t <= end] == sorted(buckets), name
@@ -113,9 +114,9 @@ def test_the_all_gathers_run_during_the_step_and_are_waited_for_in_the_next_forw
 def test_without_overlap_the_all_gathers_follow_the_whole_step():
     timelines = launch(schedule_timeline, 2, ("zero1",), 2, SMALL)[0]
     events = timelines["zero1"]
-    step_end = max(t for t, w, _, e in events if w == "optimizer step" and e == "end")
-    assert min(t for t, w, _, e in events if w == "all-gather") >= step_end
-    assert not any(w == "wait for all-gather" for _, w, _, _ in events)
+    step_end = max(t for t, _, w, e in events if w == "optimizer step" and e == "end")
+    assert min(t for t, _, w, e in events if w == "all-gather") >= step_end
+    assert not any(w == "wait for all-gather" for _, _, w, _ in events)
 
 
 def test_bucket_mb_is_bytes_and_bucket_numel_elements():

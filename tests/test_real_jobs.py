@@ -16,9 +16,10 @@ import torch
 
 import real_jobs_workers as w
 from shardlab import deepspeed_ref
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import get_batch, global_token_count
-from shardlab.train import TrainConfig, run, train_many, train_worker
+from shardlab.train import run, train_many, train_worker
 
 CLIP = 0.05  # the gradients' norm is 2-4 on these steps: every step clips
 BASE = TrainConfig(model="gpt-tiny", steps=4, seq_len=16, clip_norm=CLIP,

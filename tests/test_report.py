@@ -24,9 +24,10 @@ import torch
 
 from shardlab import comm
 from shardlab.cli import main
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.report import (RunReport, production_metrics, step_metrics, summary_table)
-from shardlab.train import TrainConfig, train_many, train_worker
+from shardlab.train import train_many, train_worker
 
 SLEEP = 0.25
 STRAGGLING = ["ddp", "torch-ddp", "zero1", "zero3"]

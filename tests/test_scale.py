@@ -37,7 +37,7 @@ def test_no_chapter_defines_its_own_tokens_to_hide():
 def test_the_chapters_that_time_collectives_on_gpus_use_the_shared_model(prefix):
     code = code_cells(chapter(prefix))
     assert re.search(r"from shardlab import [^\n]*\bnetwork\b", code), prefix
-    assert "network.collective_seconds" in code or "network.tokens_to_hide" in code \
+    assert "network.collective_seconds_on_cluster" in code or "network.tokens_to_hide" in code \
         or "network.bytes_leaving_node" in code
 
 

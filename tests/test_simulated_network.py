@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.launch import launch
-from shardlab.train import TrainConfig, train_many
+from shardlab.config import TrainConfig
+from shardlab.train import train_many
 
 WORLD = 2
 # all-reduce of 2**16 fp32 on 2 ranks: 2 rounds of 128 kB, 2 x (20 ms + 128 kB / 1 GB/s)

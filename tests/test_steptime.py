@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from shardlab import comm
+from shardlab.cards import CARDS
 from shardlab.comm import CollectiveRecord
 from shardlab.models import build_model
 from shardlab.report import RunReport, production_metrics
-from shardlab.cards import CARDS
 from shardlab.steptime import (PLANS, Machine, exposed_seconds, matmul_rate,
                                planned_collectives, predict_step)
 
@@ -246,8 +246,9 @@ def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
     collectives of the step."""
     import json
 
+    from shardlab.config import TrainConfig
     from shardlab.report import summary_table
-    from shardlab.train import TrainConfig, run
+    from shardlab.train import run
     reports = run(TrainConfig(strategy="zero2", world=2, steps=3, measure_memory=False,
                               profile_dir=str(tmp_path / "traces")))
     for m in production_metrics(reports):
@@ -268,7 +269,7 @@ def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
 
 
 def test_profile_dir_that_is_a_file_is_refused(tmp_path):
-    from shardlab.train import TrainConfig
+    from shardlab.config import TrainConfig
     a_file = tmp_path / "trace"
     a_file.write_text("")
     with pytest.raises(ValueError, match="is a file; give a folder"):

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from shardlab import comm, memory
-from shardlab.models import build_model
 from shardlab.cli import main
-from shardlab.train import TrainConfig, run, train_worker
+from shardlab.config import TrainConfig
+from shardlab.models import build_model
+from shardlab.train import run, train_worker
 
 
 @pytest.fixture(autouse=True)

@@ -27,11 +27,11 @@ import torch
 
 import zero_workers as w
 from shardlab import memory
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import optimizer_spec
-from shardlab.train import TrainConfig
 from shardlab.zero import ZeroOptimizer, schedule_timeline, wrap_zero1, wrap_zero2
 
 ONE_BUCKET = {"bucket_numel": 1 << 30}  # one bucket per group: the formula's flat layout
@@ -239,18 +239,18 @@ def test_schedule_zero1_reduces_in_step_zero2_during_backward():
     still running; both all-gather only after the optimizer step."""
     timelines = launch(schedule_timeline, 2, ("zero1", "zero2"), 2, 4096)[0]
     for name, events in timelines.items():
-        first = {what: min(t for t, w, _, e in events if w == what and e == "start")
+        first = {what: min(t for t, _, w, e in events if w == what and e == "start")
                  for what in ("reduce-scatter", "all-gather", "optimizer step")}
-        backward_end = max(t for t, w, _, e in events if w == "backward" and e == "end")
-        step_end = max(t for t, w, _, e in events if w == "optimizer step" and e == "end")
+        backward_end = max(t for t, _, w, e in events if w == "backward" and e == "end")
+        step_end = max(t for t, _, w, e in events if w == "optimizer step" and e == "end")
         assert first["all-gather"] >= step_end, name
-        buckets = {b for _, w, b, _ in events if w == "reduce-scatter"}
-        assert len(buckets) > 2 and buckets == {b for _, w, b, _ in events if w == "all-gather"}
+        buckets = {b for _, b, w, _ in events if w == "reduce-scatter"}
+        assert len(buckets) > 2 and buckets == {b for _, b, w, _ in events if w == "all-gather"}
         if name == "zero1":
             assert backward_end <= first["reduce-scatter"] <= first["optimizer step"]
-            assert not any(w == "gradient into bucket" for _, w, _, _ in events)
+            assert not any(w == "gradient into bucket" for _, _, w, _ in events)
         else:  # gradients keep arriving after the first bucket was reduce-scattered
-            first_end = min(t for t, w, _, e in events if w == "reduce-scatter" and e == "end")
-            assert any(t > first_end for t, w, _, e in events
+            first_end = min(t for t, _, w, e in events if w == "reduce-scatter" and e == "end")
+            assert any(t > first_end for t, _, w, e in events
                        if w == "gradient into bucket" and e == "start")
             assert first["reduce-scatter"] < backward_end

@@ -18,9 +18,9 @@ within the Adam bound `2 * lr * steps`.
 import pytest
 
 import sharded_workers as w
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.memory import model_states
-from shardlab.train import TrainConfig
 
 STEPS = 10
 # One launch runs many cases; on a 2-core machine shared with other jobs it can take

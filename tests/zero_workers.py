@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.config import TrainConfig
 from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import MasterWeightOptimizer, get_precision
 from shardlab.step import train_step
-from shardlab.strategy import Wrapped, cast_model, optimizer_spec
-from shardlab.train import TrainConfig, train_worker
+from shardlab.strategy import Wrapped, cast_model
+from shardlab.train import train_worker
 
 
 def decay_groups(model: nn.Module) -> list[dict]:

@@ -33,12 +33,12 @@ from gpu_check_overlap import overlap, synchronize
 from gpu_check_runs import (MIN_LAUNCH_SECONDS, case_entry, launch_cases, now, options_for,
                             per_rank, placement)
 from gpu_check import run_command
+from shardlab.cards import CARDS, DEEPSPEED, card
+from shardlab.config import TrainConfig
 from shardlab.deepspeed_ref.setup import deepspeed_missing
 from shardlab.gpu_record import MemoryExperiment, datasheet_bf16_peak, memory_run
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.steptime import compute_rate, matmul_rate
-from shardlab.cards import CARDS, DEEPSPEED, card
-from shardlab.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 Save = Callable[[Any], None]

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
-from shardlab.demo import measure_machine, run_all
 from shardlab.launch import launch, rank_device
+from shardlab.workers import measure_machine, run_all
 
 
 def synchronize(device: torch.device) -> None:
@@ -129,7 +129,7 @@ OVERLAP_METHOD = (
     "on one. Measured instead: (1) what the course's one-GPU runs pay: gloo ranks sharing "
     "the GPU with CUDA tensors, each rank's all-gather and reduce-scatter beside its own "
     "stream of GEMMs, and the step-time model's own measurement of the machine there "
-    "(shardlab.demo.measure_machine: F, alpha, beta, AdamW, hiding); (2) what moving data "
+    "(shardlab.workers.measure_machine: F, alpha, beta, AdamW, hiding); (2) what moving data "
     "inside the GPU costs a GEMM stream: a device-to-device copy_ and an elementwise "
     "kernel on a second stream, the memory and SM traffic an NCCL kernel adds beside "
     "compute, without its link. hiding = (C + M - T) / min(C, M); gemm_tax = GEMMs' time "

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from shardlab.cards import card
+from shardlab.config import TrainConfig
 from shardlab.gpu_record import rank_summary
 from shardlab.launch import RankFailed, launch, rank_device
-from shardlab.train import TrainConfig, train_worker
+from shardlab.train import train_worker
 
 MIN_LAUNCH_SECONDS = 15  # a launch of the ranks with less time left than this is not started
 

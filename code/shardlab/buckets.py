@@ -19,8 +19,7 @@ from typing import Sequence
 
 from torch import nn
 
-MB = 1 << 20
-# MB of parameters per bucket, as PyTorch DDP's `bucket_cap_mb`.
+# MB (MiB, `shardlab.units`) of parameters per bucket, as PyTorch DDP's `bucket_cap_mb`.
 DEFAULT_BUCKET_MB = 25.0
 
 

@@ -3,7 +3,7 @@
     python -m shardlab train --strategy zero3 --world 4 --steps 20 --save-every 5
     torchrun --nproc-per-node=4 -m shardlab train --strategy fsdp2
 
-It builds a `shardlab.train.TrainConfig` from the arguments, runs it on `--world` ranks
+It builds a `shardlab.config.TrainConfig` from the arguments, runs it on `--world` ranks
 (or under torchrun), and prints the ranks' summary table (`shardlab.report`), optionally
 writing the whole report as JSON.
 """
@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardlab.launch import (BACKENDS, DEVICES, LaunchError, RankFailed, check_world,
-                             first_to_say, under_torchrun)
-from shardlab.models import LOSS_MEANS, MODEL_NAMES, build_model
-from shardlab.report import report_to_json, summary_table, whereabouts_lines
 from shardlab.cards import CARDS, card, names
-from shardlab.strategy import OPTIMIZERS
 from shardlab.config import TrainConfig, check_writable_folder
+from shardlab.launch.devices import BACKENDS, DEVICES
+from shardlab.launch.errors import LaunchError, RankFailed
+from shardlab.launch.torchrun import check_world, first_to_say, under_torchrun
+from shardlab.models import LOSS_MEANS, MODEL_NAMES, build_model
+from shardlab.optimizers import OPTIMIZERS
+from shardlab.report import report_to_json, summary_table, whereabouts_lines
 from shardlab.train import run
 from shardlab.wrap import unit_modules
 

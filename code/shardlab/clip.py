@@ -16,7 +16,7 @@ parameter), and the norm is taken over what the optimizer steps (fp32 master gra
 where the strategy keeps them, so the norm does not lose digits to bf16).
 
 The wrong way, each rank clipping by the norm of its own shard (`local=True`), is a
-mistake `shardlab.debugging` shows: every rank scales by another factor, and a sharded
+mistake `shardlab.faults` shows: every rank scales by another factor, and a sharded
 model drifts away from the single-process run.
 
 Where a strategy calls it: the step hook of the optimizer that steps this rank's

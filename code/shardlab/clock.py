@@ -5,6 +5,10 @@ communication, idle time), because recording is the loop's business and must sta
 and cheap: `with clock.phase("forward"): ...` around each phase, and one hook that notes
 when autograd's own computation ends, so that a wrapper's waiting at the end of backward
 (DDP's last buckets, ZeRO-2's last reduce-scatters) can be told from compute.
+
+The clock keeps every step's phases for the report, and marks them on the step's tracer
+too (`shardlab.trace`, whole-step events: `who` is None), so that a trace opened around a
+step shows the loop's phases beside the strategy's own events.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 import time
 
 import torch
+
+from shardlab import trace
+from shardlab.trace import Span
 
 
 class StepClock:
@@ -21,7 +28,7 @@ class StepClock:
     DDP's last buckets, ZeRO-2's last reduce-scatters)."""
 
     def __init__(self):
-        self.spans: list[tuple[str, float, float]] = []
+        self.spans: list[Span] = []
 
     def phase(self, what: str):
         return _Phase(self, what)
@@ -45,8 +52,14 @@ class StepClock:
     def close_backward(self, end: float) -> None:
         computed = getattr(self, "_computed", None)
         if computed is not None and end > computed:
-            self.spans.append(("end of backward", computed, end))
+            self.record("end of backward", computed, end)
         self._computed = None
+
+    def record(self, what: str, begin: float, end: float) -> None:
+        """A span timed by the caller, marked on the tracer once it is over."""
+        self.spans.append(Span(what, begin, end))
+        trace.mark(what, None, "start", begin)
+        trace.mark(what, None, "end", end)
 
 
 class _Phase:
@@ -58,12 +71,14 @@ class _Phase:
         self.marker = torch.profiler.record_function(self.what)
         self.marker.__enter__()
         self.begin = _now()
+        trace.mark(self.what, None, "start", self.begin)
         return self
 
     def __exit__(self, *exc) -> None:
         end = _now()
         self.marker.__exit__(*exc)
-        self.clock.spans.append((self.what, self.begin, end))
+        self.clock.spans.append(Span(self.what, self.begin, end))
+        trace.mark(self.what, None, "end", end)
         if self.what == "backward":
             self.clock.close_backward(end)
 

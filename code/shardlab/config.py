@@ -20,12 +20,12 @@ from typing import Any
 from shardlab import checkpoint, modelio
 from shardlab.cards import OURS, card, names
 from shardlab.comm.links import SimulatedNetwork, check_simulated_network
-from shardlab.debugging import check_memory_limit, check_straggler
+from shardlab.faults import check_memory_limit, check_straggler
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
                              corpus_tokens, longest_sequence)
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_strategy,
-                               optimizer_spec)
+from shardlab.strategy import check_before_launch, checkpoint_refusal, get_strategy
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TrainConfig:
     # step (None: no clipping).
     clip_norm: float | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's own
-    # Recompute each layer's activations in backward (`shardlab.debugging`).
+    # Recompute each layer's activations in backward (`shardlab.wrap.recompute_units`).
     recompute: bool = False
     seed: int = 0
 
@@ -91,7 +91,7 @@ class TrainConfig:
     # A full, unsharded state dict written by rank 0 after training (torch.save).
     export_path: str | None = None
 
-    # -- production failures rehearsed on purpose (`shardlab.debugging`): rank
+    # -- production failures rehearsed on purpose (`shardlab.faults`): rank
     # `crash_rank` raises at the start of step `crash_at_step`; rank `slow_rank` sleeps
     # `slow_seconds` before every forward (a straggler); each rank clips by the norm of
     # its own gradient shard instead of the global norm (`clip_local_norm`, a mistake).

@@ -34,7 +34,6 @@ PyTorch's own DDP: the reference the benchmark compares against.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator
 
 import torch
@@ -42,12 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from shardlab.buckets import DEFAULT_BUCKET_MB, MB, fill_in_backward_order
-from shardlab.launch import rank_device
+from shardlab import trace
+from shardlab.buckets import DEFAULT_BUCKET_MB, fill_in_backward_order
+from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
+from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.precision import Precision
-from shardlab.strategy import (OptimizerSpec, Wrapped, build_optimizer, cast_model,
-                               check_options, replicated)
+from shardlab.strategy import Wrapped, cast_model, check_options, replicated
+from shardlab.units import MiB
 
 
 # ----------------------------------------------------------------------------- wrap time
@@ -98,8 +99,6 @@ class _DataParallel(nn.Module):
         self.params = params_to_sync(module)
         self.require_sync = True
         self._finish_queued = False
-        # (what, rank-local start, end) in perf_counter seconds, when a timeline is wanted
-        self.events: list[tuple[str, float, float]] | None = None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -130,13 +129,8 @@ class _DataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._finish_queued = False
-        start = time.perf_counter()
-        self.finish_backward()
-        self._event("wait for all-reduce", start, time.perf_counter())
-
-    def _event(self, what: str, start: float, end: float) -> None:
-        if self.events is not None:
-            self.events.append((what, start, end))
+        with trace.span("wait for all-reduce"):  # on a timeline (`shardlab.trace`)
+            self.finish_backward()
 
     def finish_backward(self) -> None:
         raise NotImplementedError
@@ -158,13 +152,12 @@ class NaiveDataParallel(_DataParallel):
     all-reduce of its gradient divided by N."""
 
     def finish_backward(self) -> None:
-        for p in self.params:
-            start = time.perf_counter()
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            grad.div_(self.world)
-            dist.all_reduce(grad)
-            _keep_none_if_unused_everywhere(p, grad)
-            self._event("all-reduce", start, time.perf_counter())
+        for i, p in enumerate(self.params):
+            with trace.span("all-reduce", i):
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                grad.div_(self.world)
+                dist.all_reduce(grad)
+                _keep_none_if_unused_everywhere(p, grad)
 
 
 # ----------------------------------------------------------------------------- bucketed
@@ -185,7 +178,7 @@ class GradBucket:
             offset += p.numel()
         self.ready: set[nn.Parameter] = set()
         self.work = None  # the async all-reduce, once started
-        self.timed = None  # the callback that records its end, on a timeline
+        self.timed = None  # the future that marks its end on a timeline (`shardlab.trace`)
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +192,7 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float,
     smaller (`first_bucket_mb`), so the first all-reduce starts early in backward, as
     PyTorch's DDP does."""
     return [GradBucket(members) for members in
-            fill_in_backward_order(params, bucket_mb * MB, first_bucket_mb * MB)]
+            fill_in_backward_order(params, bucket_mb * MiB, first_bucket_mb * MiB)]
 
 
 class BucketedDataParallel(_DataParallel):
@@ -237,13 +230,12 @@ class BucketedDataParallel(_DataParallel):
             self._start(bucket)
 
     def _start(self, bucket: GradBucket) -> None:
-        start = time.perf_counter()
+        index = self.next_to_start
+        trace.mark("all-reduce", index)
         bucket.buffer.div_(self.world)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_start += 1
-        if self.events is not None:  # it ends when the backend completes its future
-            bucket.timed = bucket.work.get_future().then(
-                lambda _: self._event("all-reduce", start, time.perf_counter()))
+        bucket.timed = trace.end_when_done(bucket.work, "all-reduce", index)
 
     def finish_backward(self) -> None:
         # Parameters that took no part in this backward leave holes: fill them with
@@ -318,9 +310,10 @@ def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerS
 
 def timeline_worker(model: str = "gpt-small", version: str = "bucketed",
                     bucket_mb: float = 1.0, steps: int = 3, batch_size: int = 8,
-                    seq_len: int = 32) -> list[tuple[str, float, float]]:
+                    seq_len: int = 32) -> list[trace.Span]:
     """Worker: time forward, backward compute and each all-reduce of the last of `steps`
-    steps, as (what, start, end) in seconds from that step's start on this rank."""
+    steps, as `shardlab.trace.Span`s (what, start, end) in seconds from that step's start
+    on this rank, in order of start."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     module = build_model(model).to(device)
@@ -328,26 +321,26 @@ def timeline_worker(model: str = "gpt-small", version: str = "bucketed",
            if version == "bucketed" else NaiveDataParallel(module))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
-    def now() -> float:  # on a GPU, a time is only meaningful once the queued work is done
+    def done() -> None:  # on a GPU, a time is only meaningful once the queued work is done
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter()
 
     for step in range(steps):
         x, y = (t.to(device) for t in get_batch(step, rank, world, batch_size, seq_len))
-        ddp.events = []
-        t0 = now()
-        loss = loss_fn(ddp(x), y)
-        t1 = now()
-        loss.backward()
-        t2 = now()
-        optimizer.step()
-        optimizer.zero_grad()
-        t3 = now()
-        waited = [e for e in ddp.events if e[0] == "wait for all-reduce"]
-        backward_end = waited[0][1] if waited else t2
-        events = [("forward", t0, t1), ("backward", t1, backward_end),
-                  ("optimizer step", t2, t3)] + ddp.events
-    ddp.events = None
-    return sorted(((what, start - t0, end - t0) for what, start, end in events),
-                  key=lambda e: e[1])
+        done()
+        with trace.tracing() as events:
+            with trace.span("forward"):
+                loss = loss_fn(ddp(x), y)
+                done()
+            with trace.span("backward"):
+                loss.backward()
+                done()
+            with trace.span("optimizer step"):
+                optimizer.step()
+                optimizer.zero_grad()
+                done()
+    timeline = trace.spans(trace.relative_to(events, events[0].t))  # from forward's start
+    # backward as drawn is autograd's computation: it ends where DDP starts to wait
+    waited = next((s.start for s in timeline if s.what == "wait for all-reduce"), None)
+    return [s._replace(end=waited) if s.what == "backward" and waited is not None else s
+            for s in timeline]

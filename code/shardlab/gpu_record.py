@@ -26,10 +26,10 @@ from typing import Any
 from shardlab import hardware, memory
 from shardlab.models import GPT_CONFIGS
 from shardlab.report import RunReport, ledger_totals, median_step_time
+from shardlab.units import MiB
 
 RECORD_PATH = Path(__file__).parent / "data" / "gpu-check.json"
 NO_RECORD = "no GPU run recorded yet: run tools/gpu_check.py on a GPU"
-MiB = 2**20
 
 
 # ----------------------------------------------------------------------------- the record

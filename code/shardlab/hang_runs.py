@@ -31,7 +31,8 @@ import torch.distributed as dist
 from shardlab.comm.flight import FlightDump, FlightRecorder, read_flight
 from shardlab.comm.hang_diagnosis import HangDiagnosis, diagnose
 from shardlab.hangs import FAULTS
-from shardlab.launch import LaunchError, launch
+from shardlab.launch.errors import LaunchError
+from shardlab.launch.launcher import launch
 from shardlab.launch.recorders import flight_folder
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.wrap import unit_modules
@@ -78,7 +79,7 @@ def ended_by_timeout(how: str) -> bool:
 
 def _sharded_tiny_gpt(group):
     """gpt-tiny as ZeRO-3 units on `group`, and one training step (forward, backward)."""
-    from shardlab.sharded import shard_units
+    from shardlab.sharded.model import shard_units
     from shardlab.zero3 import FlatUnit
 
     model = build_model("gpt-tiny", seed=0)

@@ -37,8 +37,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardlab.comm import all_gather_into
-from shardlab.launch import rank_device
+from shardlab.comm.compat import all_gather_into
+from shardlab.launch.devices import rank_device
 
 Step = Callable[[], None]  # called at the end of each training step (the recorder's step)
 

@@ -6,7 +6,7 @@ time or a fit on a GPU reads its figures from here, so two chapters cannot assum
 different PCIe links or two different sizes of "an 80 GB GPU". Where a figure is the
 course's own assumption rather than a published one, its source says so.
 
-Units are explicit, as in `memory`: GB = 10**9 bytes, GiB = 2**30 bytes. Bandwidths are
+Units are explicit (`shardlab.units`): GB = 10**9 bytes, GiB = 2**30 bytes. Bandwidths are
 per direction (a link that moves 450 GB/s each way is sold as "900 GB/s").
 """
 
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GB = 10**9
-GiB = 2**30
-MiB = 2**20
+from shardlab.units import GB, GiB, MiB
 
 
 @dataclass(frozen=True)

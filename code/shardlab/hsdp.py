@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.comm import INTER, INTRA, label_link
-from shardlab.fsdp import FSDP2_OPTIONS, fully_shard_on, torch_fully_shard_on
-from shardlab.launch import rank_device
+from shardlab.comm.links import INTER, INTRA, label_link
+from shardlab.fsdp.strategies import FSDP2_OPTIONS, fully_shard_on, torch_fully_shard_on
+from shardlab.launch.devices import rank_device
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import Precision
-from shardlab.strategy import OptimizerSpec, Wrapped, check_options
+from shardlab.strategy import Wrapped, check_options
 
 HSDP_OPTIONS = {**FSDP2_OPTIONS, "shard_group": None}
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from shardlab import checkpoint
 from shardlab.clock import StepClock
-from shardlab.comm import Ledger, clock_offset
 from shardlab.comm.flight import FlightRecorder
+from shardlab.comm.ledger import Ledger, clock_offset
 from shardlab.config import TrainConfig, resume_folder
-from shardlab.debugging import memory_limit, straggle
+from shardlab.faults import memory_limit, straggle
 from shardlab.launch.quiet import quiet_stderr
 from shardlab.measure import track_peak
 from shardlab.step import HeldAfterStep, StepWatch
@@ -33,7 +33,7 @@ from shardlab.strategy import Wrapped
 
 
 class RehearsedFaults:
-    """The faults a run causes on purpose (`shardlab.debugging`): rank `crash_rank`
+    """The faults a run causes on purpose (`shardlab.faults`): rank `crash_rank`
     raises at the start of step `crash_at_step`; rank `slow_rank` sleeps `slow_seconds`
     before every forward (a straggler), timed as the step's "injected delay"."""
 

@@ -95,8 +95,10 @@ def bytes_leaving_node(op: str, nbytes: float, world: int, cluster: Cluster = H1
     return cluster.gpus_per_node / p * ring_bytes(op, nbytes, world)
 
 
-def collective_seconds(op: str, nbytes: float, world: int, cluster: Cluster = H100_NODES,
-                       ranks_per_node: int | None = None, alpha: float = 0.0) -> float:
+def collective_seconds_on_cluster(op: str, nbytes: float, world: int,
+                                  cluster: Cluster = H100_NODES,
+                                  ranks_per_node: int | None = None,
+                                  alpha: float = 0.0) -> float:
     """Time of a ring collective over a tensor of `nbytes` on `world` GPUs.
 
     Inside one node the ring runs on NVLink. Across nodes it takes the longer of its
@@ -122,8 +124,8 @@ def fsdp_collectives_seconds(nbytes: float, world: int, cluster: Cluster = H100_
     between nodes'). The units change only the latency: each pays its rounds."""
     _check_units(units)
     alpha = alpha_inter if world > cluster.gpus_per_node else alpha_intra
-    return 3 * units * collective_seconds("all_gather", nbytes / units, world, cluster,
-                                          alpha=alpha)
+    return 3 * units * collective_seconds_on_cluster("all_gather", nbytes / units, world,
+                                                     cluster, alpha=alpha)
 
 
 def _check_units(units) -> None:
@@ -151,11 +153,12 @@ def hsdp_collectives_seconds(nbytes: float, world: int, shard_group: int,
     _check_units(units)
     replicas = world // shard_group
     unit = nbytes / units
-    gather = collective_seconds("all_gather", unit, shard_group, cluster, alpha=alpha_intra)
+    gather = collective_seconds_on_cluster("all_gather", unit, shard_group, cluster,
+                                           alpha=alpha_intra)
     reduce = 0.0
     if replicas > 1:
-        reduce = collective_seconds("all_reduce", unit / shard_group, replicas, cluster,
-                                    ranks_per_node=1, alpha=alpha_inter)
+        reduce = collective_seconds_on_cluster("all_reduce", unit / shard_group, replicas,
+                                               cluster, ranks_per_node=1, alpha=alpha_inter)
     # a reduce-scatter moves what an all-gather does, over the same ring
     return HsdpSeconds(intra_node=3 * units * gather, inter_node=units * reduce,
                        overlapped=hsdp_overlap([gather] * units,
@@ -176,7 +179,8 @@ def tokens_to_hide(op: str, world: int, cluster: Cluster = H100_NODES,
     DDP's gradient all-reduce behind backward: ("all_reduce", c=4); a ZeRO-3/FSDP layer's
     gather behind its forward: ("all_gather", c=2), the same threshold.
     """
-    per_param = collective_seconds(op, bytes_per_param, world, cluster, ranks_per_node)
+    per_param = collective_seconds_on_cluster(op, bytes_per_param, world, cluster,
+                                              ranks_per_node)
     return collectives * per_param * (cluster.flops if flops is None else flops) \
         / flops_per_token
 

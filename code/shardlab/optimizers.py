@@ -32,7 +32,7 @@ class OptimizerSpec:
     cls: type[torch.optim.Optimizer]
     kwargs: dict[str, Any] = field(default_factory=dict)
     clip_norm: float | None = None
-    # The mistake `shardlab.debugging` shows: each rank clips by its own shard's norm.
+    # The mistake `shardlab.faults` shows: each rank clips by its own shard's norm.
     clip_local_norm: bool = False
 
     def build(self, params) -> torch.optim.Optimizer:

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from shardlab.launch import Whereabouts
+from shardlab.launch.torchrun import Whereabouts
+from shardlab.trace import Span
 
 # ----------------------------------------------------------------------------- the report
 
@@ -69,9 +70,9 @@ class RunReport:
     timing to use; neither is `step_times[0]`, which pays for warm-up).
 
     The timestamps are `time.perf_counter()` seconds of this rank: `step_starts[i]` when
-    step i began, `phases[i]` the (what, begin, end) spans the loop recorded in it
-    (forward, backward, the end of autograd's computation inside backward, the optimizer
-    step), `clock_offset` this clock minus rank 0's.
+    step i began, `phases[i]` the `shardlab.trace.Span`s (what, begin, end) the loop's clock
+    recorded in it (forward, backward, the end of autograd's computation inside backward,
+    the optimizer step), `clock_offset` this clock minus rank 0's.
     """
 
     rank: int
@@ -88,7 +89,7 @@ class RunReport:
     placement: str = ""  # how the ranks were placed: backend, device, ranks per GPU
     tokens_per_step: int = 0  # this rank's tokens in one step (all its micro-batches)
     step_starts: list[float] = field(default_factory=list)
-    phases: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    phases: list[list[Span]] = field(default_factory=list)
     clock_offset: float = 0.0
     checkpoint_save_seconds: list[float] = field(default_factory=list)
     checkpoint_load_seconds: float | None = None
@@ -146,7 +147,7 @@ def unit_sizes(report: RunReport) -> list[int]:
             if r.step == last and r.op == "reduce_scatter"]
 
 
-def collective_seconds(report: RunReport) -> float:
+def median_collective_time(report: RunReport) -> float:
     """The seconds of the step's collectives added up, median over the steady steps (on
     gloo and a CPU they barely overlap compute: close to the step's communication)."""
     return statistics.median(sum(r.seconds for r in report.ledger if r.step == s)

@@ -28,7 +28,7 @@ guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
-`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.demo.measure_machine` runs them on
+`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on
 every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
@@ -53,9 +53,8 @@ from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
+from shardlab.units import MiB
 from shardlab.wrap import unit_modules
-
-MB = 2**20
 
 
 @dataclass(frozen=True)
@@ -178,11 +177,11 @@ Plan = Callable[[nn.Module, list[nn.Parameter], dict, int], list[tuple[str, int]
 
 def _buckets(nbytes: int, first_mb: float, mb: float) -> list[int]:
     """`nbytes` cut into buckets: the first `first_mb`, then `mb` each."""
-    out, left, limit = [], nbytes, first_mb * MB
+    out, left, limit = [], nbytes, first_mb * MiB
     while left > 0:
         out.append(int(min(left, limit)))
         left -= out[-1]
-        limit = mb * MB
+        limit = mb * MiB
     return out
 
 
@@ -258,7 +257,8 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
     return plan(model, params, options, bytes_per_elem)
 
 
-def collective_seconds(op: str, nbytes: int, world: int, machine: Machine) -> float:
+def collective_seconds_on_machine(op: str, nbytes: int, world: int,
+                                  machine: Machine) -> float:
     """α-β time of one collective over a tensor of `nbytes`, as the backend runs it. On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
@@ -323,8 +323,8 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
             seen_gathers += 1
         if op == "all_gather" and overlap is not None and not options.get(overlap, True):
             where = ("step", "waited")
-        collectives.append(Collective(op, nbytes, *where,
-                                      collective_seconds(op, nbytes, world, machine)))
+        seconds = collective_seconds_on_machine(op, nbytes, world, machine)
+        collectives.append(Collective(op, nbytes, *where, seconds))
     exposed = {phase: exposed_seconds([c for c in collectives if c.phase == phase],
                                       compute[phase] if phase != "step" else 0.0,
                                       machine.hiding)

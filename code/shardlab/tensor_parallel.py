@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab import comm
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 from shardlab.models import MLP, GPTConfig
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
+from shardlab.strategy import get_strategy
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

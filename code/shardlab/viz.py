@@ -12,13 +12,14 @@ import re
 from typing import Sequence
 
 from shardlab import memory
+from shardlab.units import GB, GiB
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
           "buffers": "#8172B3", "other": "#937860"}
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
           "buffers": "buffers", "other": "other"}
 STAGE_NAMES = ["stage 0\n(DDP)", "stage 1\n(P_os)", "stage 2\n(P_os+g)", "stage 3\n(P_os+g+p)"]
-UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": memory.GB, "GiB": memory.GiB}
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": GB, "GiB": GiB}
 # The book's text column is about 690 px wide at a 1280 px window. A figure drawn at DPI
 # and at most MAX_WIDTH_IN wide shows at its own size there, so text of SMALLEST_PT points
 # stays SMALLEST_PT * DPI / 72 = 11 px on the screen; a wider one is scaled down, its
@@ -256,7 +257,7 @@ def explorer(default_model: str = "llama-2-7b"):
             psi = memory.num_params(model.value)
             fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.8), dpi=DPI)
             draw_stages(ax, psi, world.value, stage.value, precision.value, optimizer.value,
-                        gpu_memory=gpu.value * memory.GB,
+                        gpu_memory=gpu.value * GB,
                         title=f"{model.value} (psi = {psi / 1e9:.2f}B), N = {world.value}, "
                               f"stage {stage.value}")
             fig.tight_layout()

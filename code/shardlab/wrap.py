@@ -22,6 +22,11 @@ the model itself last: the root takes the parameters no other unit took, and run
 and last in every step. A unit whose weight is tied to a module outside it is folded into
 their common parent (`fold_tied`), so that every wrap a policy gives is one that ZeRO-3
 and FSDP2 both accept.
+
+The same units are what recomputation (activation checkpointing) works on:
+`recompute_units(model)` keeps each unit's input instead of its activations and runs its
+forward again in backward, with PyTorch's composable `checkpoint`, which leaves the
+modules and their parameter names as they are.
 """
 
 from __future__ import annotations
@@ -216,6 +221,21 @@ def unit_modules(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
 
     visit(model)
     return [*ordered, model]
+
+
+def recompute_units(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
+    """Recompute the activations of each unit `policy` picks (the transformer blocks by
+    default; never the whole model, whose input is only token ids) in backward; return
+    the units. Their names and parameters do not change."""
+    from torch.distributed._composable import checkpoint
+
+    units = [m for m in unit_modules(model, policy) if m is not model]
+    if not units:
+        raise ValueError(f"recompute: the wrap policy {policy!r} picks no module below the "
+                         f"model itself; this model has no layers to recompute")
+    for unit in units:
+        checkpoint(unit)
+    return units
 
 
 def describe(model: nn.Module, policy: Any) -> str:

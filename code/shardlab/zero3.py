@@ -19,11 +19,13 @@ import math
 import torch
 from torch import nn
 
-from shardlab.comm import all_gather_into
+from shardlab.comm.compat import all_gather_into
+from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.precision import Precision
-from shardlab.sharded import ParamSlot, ShardedUnit, gather_shard, shard_units
-from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, build_optimizer, cast_model,
-                               check_options, owned_ranges, state_of, storage_device)
+from shardlab.sharded.model import ParamSlot, shard_units
+from shardlab.sharded.unit import ShardedUnit, gather_shard
+from shardlab.strategy import (Piece, Wrapped, cast_model, check_options, owned_ranges,
+                               state_of, storage_device)
 from shardlab.wrap import unit_modules
 
 

@@ -60,11 +60,12 @@ def timed_save_load(cases: list[dict], root: str, repeats: int = 3) -> list[dict
     import statistics
     import time
 
-    from shardlab.launch import rank_device
+    from shardlab.launch.devices import rank_device
     from shardlab.models import build_model, get_batch
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
     from shardlab.step import train_step
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
 
     rank, world = rank_world()
     out = []
@@ -100,7 +101,7 @@ def open_with_pytorch_fsdp2(folder: str, model: str, model_config: dict | None =
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardlab.launch import rank_device
+    from shardlab.launch.devices import rank_device
     from shardlab.models import build_model
     from shardlab.wrap import unit_modules
 

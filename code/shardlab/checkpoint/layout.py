@@ -45,7 +45,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
 
-from shardlab.strategy import Piece, inner_optimizer
+from shardlab.optimizers import inner_optimizer
+from shardlab.strategy import Piece
 
 
 @contextlib.contextmanager

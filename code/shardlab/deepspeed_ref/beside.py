@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from shardlab.cards import DEEPSPEED, card
 from shardlab.deepspeed_ref.predict import predicted_state_bytes
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 from shardlab.models import build_model
 from shardlab.precision import get_precision
 
@@ -31,11 +31,12 @@ def beside_deepspeed(strategies: list[str], model: str = "gpt-tiny", steps: int 
     import statistics
     import time
 
-    from shardlab.comm import Ledger
+    from shardlab.comm.ledger import Ledger
     from shardlab.measure import track_peak
     from shardlab.models import get_batch
+    from shardlab.optimizers import optimizer_spec
     from shardlab.step import NOTHING, HeldAfterStep, train_step
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from shardlab.deepspeed_ref.predict import predicted_state_bytes
-from shardlab.deepspeed_ref.setup import import_deepspeed, quiet_stderr
+from shardlab.deepspeed_ref.setup import import_deepspeed
+from shardlab.launch.quiet import quiet_stderr
 from shardlab.models import build_model
 
 

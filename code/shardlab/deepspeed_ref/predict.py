@@ -28,8 +28,9 @@ from torch import nn
 
 from shardlab.deepspeed_ref.strategies import OPTIONS
 from shardlab.models import build_model
+from shardlab.optimizers import OPTIMIZERS
 from shardlab.precision import get_precision
-from shardlab.strategy import OPTIMIZERS, check_options
+from shardlab.strategy import check_options
 
 
 def _state_bytes(numel: int, optimizer: str) -> int:

@@ -54,10 +54,10 @@ from torch import nn
 from shardlab.cards import card
 from shardlab.clip import GradClip
 from shardlab.deepspeed_ref.setup import deepspeed_missing, import_deepspeed
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import InnerOptimizerFace, Precision
-from shardlab.strategy import (OptimizerSpec, Wrapped, cast_model, check_options,
-                               named_full_parameters)
+from shardlab.strategy import Wrapped, cast_model, check_options, named_full_parameters
 
 
 # The options: DeepSpeed's own `zero_optimization` keys (so a reader learns its names),

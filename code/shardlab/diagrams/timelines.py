@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 
 from shardlab import report
-from shardlab.comm import diagnose
+from shardlab.comm.hang_diagnosis import diagnose
 from shardlab.diagrams.draw import SMALLEST_PT, TITLE_PT, figure, legend_patches, pyplot
 from shardlab.viz import COLLECTIVE_COLORS, PHASE_COLORS
 

@@ -17,7 +17,7 @@ from shardlab.fsdp.probe import step_probe
 from shardlab.fsdp.strategies import (FSDP2_OPTIONS, apply_fsdp2, dtensor_pieces,
                                       fully_shard_on, gradient_sync_off, torch_fully_shard_on, wrap_fsdp2,
                                       wrap_torch_fsdp2)
-from shardlab.sharded import ShardedState
+from shardlab.sharded.unit import ShardedState
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
            "gather_full_parameters", "load_full_state_dict", "wrap_fsdp2",

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.fsdp.layout import PerParamUnit
-from shardlab.sharded import ShardedModel, collect_slots
+from shardlab.sharded.model import ShardedModel, collect_slots
 from shardlab.strategy import check_same_on_all_ranks, storage_device
 
 

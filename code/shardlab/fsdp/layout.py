@@ -15,8 +15,8 @@ import math
 import torch
 from torch import nn
 
-from shardlab.comm import all_gather_into
-from shardlab.sharded import ShardedUnit, gather_shard, set_param
+from shardlab.comm.compat import all_gather_into
+from shardlab.sharded.unit import ShardedUnit, gather_shard, set_param
 from shardlab.strategy import Piece, owned_ranges, state_of
 
 

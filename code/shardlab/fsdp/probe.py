@@ -11,8 +11,8 @@ import contextlib
 
 import torch.distributed as dist
 
-from shardlab.comm import simulated_network
-from shardlab.launch import rank_device
+from shardlab.comm.ledger import simulated_network
+from shardlab.launch.devices import rank_device
 
 
 def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: int = 32
@@ -22,17 +22,19 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
     `batch_size`), simulated_network (a `comm.SimulatedNetwork` to run the steps on)},
     train `steps` steps and look inside the last:
     PyTorch's own count of the c10d collectives it ran (`CommDebugMode`, which sees ours and
-    `fully_shard`'s alike), the timeline of our schedule (ours only), the step times, the
-    losses, and the parameters as the module shows them (name, shape, dtype)."""
+    `fully_shard`'s alike), the timeline of our schedule (ours only: each unit's
+    `shardlab.trace.Event`s, t in seconds from the step's start, in order), the step times,
+    the losses, and the parameters as the module shows them (name, shape, dtype)."""
     import time
 
     from torch.distributed.tensor.debug import CommDebugMode
 
     from shardlab.models import build_model, get_batch
+    from shardlab.optimizers import optimizer_spec
     from shardlab.precision import get_precision
-    from shardlab.sharded import tracing
     from shardlab.step import train_step
-    from shardlab.strategy import get_strategy, optimizer_spec
+    from shardlab.strategy import get_strategy
+    from shardlab.trace import relative_to, tracing
 
     import warnings
 
@@ -59,7 +61,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
                 counter = CommDebugMode() if last else contextlib.nullcontext()
                 tracer = tracing() if last else contextlib.nullcontext()
                 dist.barrier()
-                with counter, tracer as trace:
+                with counter, tracer as recorded:
                     start = time.perf_counter()
                     loss = train_step(wrapped, [(x, y)])
                     times.append(time.perf_counter() - start)
@@ -67,7 +69,7 @@ def step_probe(cases: list[dict], steps: int = 4, batch_size: int = 8, seq_len: 
                 if last:
                     counts = {str(op).split(".")[-1]: n
                               for op, n in counter.get_comm_counts().items()}
-                    events = [(t - start, unit, what, edge) for t, unit, what, edge in trace]
+                    events = relative_to(recorded, start)
         results.append({"case": case, "losses": losses, "step_times": times,
                         "collectives": counts, "events": sorted(events), "shown": shown})
     return results

@@ -17,10 +17,11 @@ from torch import nn
 
 from shardlab.fsdp.api import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
                                gather_full_parameters, model_state)
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import Precision
-from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, check_options, owned_ranges,
-                               state_of, tied_names)
+from shardlab.strategy import (Piece, Wrapped, check_options, owned_ranges, state_of,
+                               tied_names)
 from shardlab.wrap import unit_modules
 
 

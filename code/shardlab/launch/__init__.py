@@ -1,7 +1,7 @@
 """Run one function of the package on N ranks and collect what each rank returns.
 
     >>> from shardlab.launch import launch
-    >>> from shardlab.demo import whoami
+    >>> from shardlab.workers import whoami
     >>> launch(whoami, world=4)          # one value per rank, in rank order
 
 A file per part:

@@ -7,7 +7,7 @@ import a function of a module, which travels by name; one written in a notebook 
 interactive session or a script read from standard input travels by value (`carry`):
 
     >>> from shardlab.launch import launch
-    >>> from shardlab.demo import whoami
+    >>> from shardlab.workers import whoami
     >>> launch(whoami, world=4)          # one value per rank, in rank order
     >>> def mine():                      # in a notebook cell
     ...     return torch.distributed.get_rank() * 10

@@ -27,11 +27,12 @@ from shardlab.memory.planner import (PlanRow, bucket_bytes, ddp_bucket_copy_byte
                                      format_bytes,
                                      fsdp2_states_by_rank, gathered_bytes,
                                      gathered_unit_bytes, main, parse_bytes, plan, table)
-from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
-                                    GiB, bytes_per_param, check_choice, check_optimizer,
+from shardlab.memory.states import (OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
+                                    bytes_per_param, check_choice, check_optimizer,
                                     check_positive, check_precision, check_stage,
                                     check_world, largest_model, model_states,
                                     offloaded_states, shard_numel)
+from shardlab.units import GB, GiB
 
 __all__ = [
     "GB", "GiB", "PRECISIONS", "OPTIMIZERS", "STAGES", "OFFLOAD", "Breakdown",

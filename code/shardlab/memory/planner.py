@@ -17,10 +17,11 @@ from typing import Iterable
 from shardlab.memory.activations import ATTENTION, CHECKPOINTING, activation_bytes
 from shardlab.memory.configs import MODELS, ModelConfig, as_config
 from shardlab.memory.dim0 import dim0_states_per_rank
-from shardlab.memory.states import (GB, OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
-                                    GiB, bytes_per_param, check_choice, check_positive,
+from shardlab.memory.states import (OFFLOAD, OPTIMIZERS, PRECISIONS, STAGES, Breakdown,
+                                    bytes_per_param, check_choice, check_positive,
                                     check_world, largest_model, model_states,
                                     offloaded_states)
+from shardlab.units import GB, GiB
 
 
 def gathered_unit_bytes(unit_psi, precision: str = "bf16-mixed", prefetch: bool = False) -> int:

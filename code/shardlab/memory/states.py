@@ -21,8 +21,8 @@ each ZeRO stage shards one more of the three terms N ways:
 This is the module the rest of `shardlab.memory` builds on, and it also holds the
 argument checks they share.
 
-Units are explicit: GB = 10**9 bytes (the ZeRO paper's unit), GiB = 2**30 bytes (what a
-device reports).
+Units are explicit (`shardlab.units`): GB = 10**9 bytes (the ZeRO paper's unit), GiB =
+2**30 bytes (what a device reports).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-GB = 10**9
-GiB = 2**30
+from shardlab.units import GB, GiB
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # the names of shardlab.precision
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")

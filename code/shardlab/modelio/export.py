@@ -25,8 +25,9 @@ from shardlab import checkpoint
 from shardlab.checkpoint.layout import pieces_of
 from shardlab.modelio.hf_files import check_export_folder
 from shardlab.models import HF_MODELS, build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import optimizer_spec, wrap_single
+from shardlab.strategy import wrap_single
 
 
 @contextlib.contextmanager

@@ -23,13 +23,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardlab.cards import PYTORCH, names
-from shardlab.launch import rank_device
+from shardlab.launch.devices import rank_device
 from shardlab.measure import host_peak_bytes, host_rss_bytes, reset_host_peak
 from shardlab.modelio.hf_files import WEIGHTS
 from shardlab.modelio.meta import build_on_meta, materialize, restore_buffers, wrap_on_meta
 from shardlab.models import build_model
+from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
-from shardlab.strategy import get_strategy, optimizer_spec
+from shardlab.strategy import get_strategy
 
 WAYS = ("full", "broadcast", "meta")
 # The settings of the small model of the same family run first (its folder: `warm_up`)

@@ -33,8 +33,9 @@ from torch import nn
 from shardlab.cards import card
 from shardlab.modelio.hf_files import check_matches, load_into, load_module
 from shardlab.models import build_model
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import Precision
-from shardlab.strategy import OptimizerSpec, Wrapped, get_strategy
+from shardlab.strategy import Wrapped, get_strategy
 
 def build_on_meta(name: str, config: dict | None = None) -> nn.Module:
     """The model `name`: every parameter and buffer on the meta device (no bytes)."""

@@ -35,8 +35,8 @@ The schedule is two files:
 from shardlab.sharded.model import (ParamSlot, ShardedModel, assign_slots, collect_named,
                                     collect_slots, shard_units)
 from shardlab.sharded.unit import (RegisterPostBackward, ShardedState, ShardedUnit,
-                                   gather_shard, set_param, tracing)
+                                   gather_shard, set_param)
 
 __all__ = ["ShardedState", "ShardedUnit", "ShardedModel", "ParamSlot", "RegisterPostBackward",
-           "set_param", "gather_shard", "tracing", "collect_slots", "assign_slots",
+           "set_param", "gather_shard", "collect_slots", "assign_slots",
            "shard_units", "collect_named"]

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from shardlab.strategy import Piece, check_same_on_all_ranks, inner_optimizer
+from shardlab.optimizers import inner_optimizer
+from shardlab.strategy import Piece, check_same_on_all_ranks
 
 
 @dataclass

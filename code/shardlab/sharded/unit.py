@@ -11,52 +11,15 @@ so that one unit's life in a step reads top to bottom in one class.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.comm import all_gather_into, reduce_scatter_into
+from shardlab import trace
+from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.sharded.model import ParamSlot, ShardedModel
-
-
-# A timeline of the schedule, for the chapters: when set to a list (see `tracing`), every
-# unit appends (seconds, unit name, what, "start" | "end"). Off, it costs one check.
-TRACE: list | None = None
-
-
-@contextlib.contextmanager
-def tracing():
-    """Record the schedule's events in this process: all-gathers and reduce-scatters
-    (from their launch to their completion), forward and backward compute, frees."""
-    global TRACE
-    TRACE = events = []
-    try:
-        yield events
-    finally:
-        TRACE = None
-
-
-def _trace(unit, what: str, edge: str) -> None:
-    if TRACE is not None:
-        TRACE.append((time.perf_counter(), unit.name, what, edge))
-
-
-def _trace_completion(unit, what: str, work) -> bool:
-    """Mark the end of a collective when the backend finishes it, not when it is waited.
-    False if the backend cannot say (gloo's reduce-scatter): the waiter marks it then."""
-    if TRACE is None:
-        return True
-    events = TRACE
-    try:
-        work.get_future().then(lambda _: events.append(
-            (time.perf_counter(), unit.name, what, "end")))
-    except RuntimeError:
-        return False
-    return True
 
 
 class ShardedState(enum.Enum):
@@ -147,9 +110,12 @@ class ShardedUnit:
         if not self.slots:  # a root whose children hold every parameter
             self.state = ShardedState.UNSHARDED
             return
-        _trace(self, "all-gather", "start")
+        # each unit's events, under its name, when a trace is open (`shardlab.trace`):
+        # its all-gathers and reduce-scatters from launch to completion, its forward and
+        # backward compute, its frees
+        trace.mark("all-gather", self.name)
         works = self.start_all_gathers()
-        _trace_completion(self, "all-gather", works[-1])
+        trace.end_when_done(works[-1], "all-gather", self.name)
         self.pending_gather = works
         if not async_op:
             self.wait_for_unshard()
@@ -172,7 +138,7 @@ class ShardedUnit:
             self.wait_for_unshard()
         if self.state is ShardedState.SHARDED:
             return
-        _trace(self, "free", "start")
+        trace.mark("free", self.name)
         self.free_unsharded()
         self.register_sharded()
         self.state = ShardedState.SHARDED
@@ -195,7 +161,7 @@ class ShardedUnit:
             self.needs_post_backward = True
             self.pre_backward_done = False
             args, kwargs = self.register_post_backward(args, kwargs)
-        _trace(self, "forward", "start")
+        trace.mark("forward", self.name)
         return args, kwargs
 
     def register_post_backward(self, args, kwargs):
@@ -214,7 +180,7 @@ class ShardedUnit:
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
-        _trace(self, "forward", "end")
+        trace.mark("forward", self.name, "end")
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard()
         if torch.is_grad_enabled():
@@ -231,7 +197,7 @@ class ShardedUnit:
             self.wait_for_unshard()
             for unit in self.backward_prefetch_targets():
                 unit.unshard(async_op=True)
-            _trace(self, "backward", "start")
+            trace.mark("backward", self.name)
         return grad
 
     def backward_prefetch_targets(self) -> list["ShardedUnit"]:
@@ -244,7 +210,7 @@ class ShardedUnit:
         if not self.needs_post_backward:
             return
         self.needs_post_backward = False
-        _trace(self, "backward", "end")
+        trace.mark("backward", self.name, "end")
         if self.state is ShardedState.UNSHARDED and self.requires_gradient_sync:
             grads = [p.grad for p in self.unsharded_params]
             if any(g is not None for g in grads):
@@ -264,9 +230,9 @@ class ShardedUnit:
         self.model_state.finish_reduces()
         full = self.reduce_scatter_input(grads)
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
-        _trace(self, "reduce-scatter", "start")
+        trace.mark("reduce-scatter", self.name)
         work = reduce_scatter_into(reduced, full, group=self.group, async_op=True)
-        timed = _trace_completion(self, "reduce-scatter", work)
+        timed = trace.end_when_done(work, "reduce-scatter", self.name) is not None
         self.pending_reduce = (work, full, reduced, timed)  # `full` lives until it is done
 
     def finish_reduce(self) -> None:
@@ -274,8 +240,8 @@ class ShardedUnit:
             return
         work, _, reduced, timed = self.pending_reduce
         work.wait()
-        if not timed:
-            _trace(self, "reduce-scatter", "end")
+        if not timed:  # the backend could not mark it when done: mark it where waited
+            trace.mark("reduce-scatter", self.name, "end")
         self.pending_reduce = None
         if self.replicate_group is not None:
             # HSDP: the shard, reduced inside its group, summed with the same shard of

@@ -21,7 +21,6 @@ parts that each own their state, a file per idea:
     stage2.py      `BackwardReducer`: gradients reduce-scattered bucket by bucket in backward
     gather.py      `ParamAllGather`: the parameters' all-gather, plain or overlapped with
                    the next forward
-    trace.py       `StepTrace`: the schedule of a step, for the timelines
     optimizer.py   `ZeroOptimizer` (and `Zero1Optimizer`, `Zero2Optimizer`, its stages by
                    name): the step on this rank's chunks, the torch.optim face
     strategies.py  the strategies `zero1` and `zero2`, and their options

@@ -22,20 +22,19 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from shardlab.comm import all_gather_into
+from shardlab import trace
+from shardlab.comm.compat import all_gather_into
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.layout import Bucket, in_forward_order
-from shardlab.zero.trace import StepTrace
 
 
 class ParamAllGather:
     """The parameters' all-gathers over `groups`, and the ones in flight."""
 
-    def __init__(self, groups: list[FlatGroup], process_group, trace: StepTrace,
+    def __init__(self, groups: list[FlatGroup], process_group,
                  param_order: Sequence[nn.Parameter] | None):
         self.groups = groups
         self.process_group = process_group
-        self.trace = trace
         # The order the step updates and gathers the buckets in when it overlaps.
         self.in_forward_order = in_forward_order([b for g in groups for b in g.buckets],
                                                  param_order)
@@ -44,23 +43,23 @@ class ParamAllGather:
     def all_gather(self, g: FlatGroup) -> None:
         """Every rank's chunks of group `g` into every rank's flat buffer, in place."""
         for b in g.buckets:
-            with self.trace.span("all-gather", b.index):
+            with trace.span("all-gather", b.index):
                 all_gather_into(b.region(g.flat_param), g.my_chunk(b),
                                 group=self.process_group)
 
     def start(self, b: Bucket) -> None:
         """Start bucket `b`'s all-gather and return at once; `wait` ends it."""
         g = self.groups[b.group]
-        self.trace.mark("all-gather", b.index, "start")
+        trace.mark("all-gather", b.index)
         work = all_gather_into(b.region(g.flat_param), g.my_chunk(b),
                                group=self.process_group, async_op=True)
-        self.trace.end_when_done(work, "all-gather", b.index)
+        trace.end_when_done(work, "all-gather", b.index)
         self.in_flight[b] = work
 
     def wait(self, b: Bucket) -> None:
         work = self.in_flight.pop(b, None)
         if work is not None:
-            with self.trace.span("wait for all-gather", b.index):
+            with trace.span("wait for all-gather", b.index):
                 work.wait()
 
     def wait_all(self) -> None:

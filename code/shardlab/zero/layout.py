@@ -23,8 +23,9 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from shardlab.buckets import MB, fill_in_backward_order
+from shardlab.buckets import fill_in_backward_order
 from shardlab.strategy import owned_ranges
+from shardlab.units import MiB
 
 
 def padded_size(numel: int, world: int) -> int:
@@ -164,4 +165,4 @@ def check_bucket_mb(bucket_mb: Any) -> float:
 
 def bucket_numel_for(bucket_mb: float, element_size: int) -> int:
     """Elements of `element_size` bytes in a bucket of `bucket_mb` MB (at least one)."""
-    return max(1, int(check_bucket_mb(bucket_mb) * MB) // element_size)
+    return max(1, int(check_bucket_mb(bucket_mb) * MiB) // element_size)

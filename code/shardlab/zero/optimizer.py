@@ -6,7 +6,9 @@ of parts that each own their state:
     stage1.py   `StepReducer`: stage 1's whole gradients, reduce-scattered in step()
     stage2.py   `BackwardReducer`: stage 2's, reduce-scattered bucket by bucket in backward
     gather.py   `ParamAllGather`: the parameters' all-gather, plain or overlapped
-    trace.py    `StepTrace`: the schedule every part records, for the timelines
+
+Every part marks what it does on the step's tracer (`shardlab.trace`), under its bucket's
+index, for the timelines.
 
 The stages differ only in their gradients (the reducer); this module is the step they
 share. Why it is still the same optimizer: Adam, AdamW and SGD are elementwise, so
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab import trace
 from shardlab.buckets import DEFAULT_BUCKET_MB
 from shardlab.clip import GradClip
 from shardlab.precision import InnerOptimizerFace
@@ -38,7 +41,7 @@ from shardlab.zero.layout import (Bucket, bucket_numel_for, check_bucket_mb,
                                   check_bucket_numel, split_groups)
 from shardlab.zero.stage1 import StepReducer
 from shardlab.zero.stage2 import BackwardReducer
-from shardlab.zero.trace import StepTrace
+
 
 class _LazyCast(dict):
     """bucket -> its chunk cast to its shard's dtype when read, not before."""
@@ -91,7 +94,6 @@ class ZeroOptimizer(InnerOptimizerFace):
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.trace = StepTrace()
         self.groups: list[FlatGroup] = [
             flatten_group(gi, spec, self.world, self.rank,
                           bucket_numel or bucket_numel_for(bucket_mb,
@@ -99,22 +101,13 @@ class ZeroOptimizer(InnerOptimizerFace):
                           master_weights)
             for gi, spec in enumerate(split_groups(params))]
         # What the stages differ in: where the gradients live, when they are reduced.
-        self.reducer = (StepReducer(self.groups, process_group, self.trace) if stage == 1 else
-                        BackwardReducer(self.groups, process_group, self.trace, param_order))
+        self.reducer = (StepReducer(self.groups, process_group) if stage == 1 else
+                        BackwardReducer(self.groups, process_group, param_order))
         self.optimizer = optimizer_class([{**g.hyper, "params": g.shards}
                                           for g in self.groups], **defaults)
-        self.gather = ParamAllGather(self.groups, process_group, self.trace, param_order)
+        self.gather = ParamAllGather(self.groups, process_group, param_order)
         if self.overlap_all_gather:
             self.gather.wait_before_forward(module)
-
-    @property
-    def events(self) -> list | None:
-        """Set to a list to record the schedule: (seconds, what, bucket, "start" | "end")."""
-        return self.trace.events
-
-    @events.setter
-    def events(self, events: list | None) -> None:
-        self.trace.events = events
 
     # ------------------------------------------------------------------ torch.optim face
 
@@ -128,7 +121,7 @@ class ZeroOptimizer(InnerOptimizerFace):
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
                 shard.grad = grads[b]
-        with self.trace.span("optimizer step"):
+        with trace.span("optimizer step"):
             self.optimizer.step()
         for g in self.groups:
             for b, shard in zip(g.buckets, g.shards):
@@ -172,7 +165,7 @@ class ZeroOptimizer(InnerOptimizerFace):
             g = self.groups[b.group]
             shard = g.shards[b.index]
             shard.grad = grads[b]
-            with self.trace.span("optimizer step", b.index):
+            with trace.span("optimizer step", b.index):
                 self.optimizer.step()  # only the shard with a gradient moves
             shard.grad = None
             if self.master_weights:

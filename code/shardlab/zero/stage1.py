@@ -16,19 +16,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.comm import reduce_scatter_into
+from shardlab import trace
+from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
-from shardlab.zero.trace import StepTrace
 
 
 class StepReducer:
     """Stage 1's gradients: whole, in one flat buffer per group laid out as the
     parameters, reduce-scattered by the step into this rank's averaged chunks."""
 
-    def __init__(self, groups: list[FlatGroup], process_group, trace: StepTrace):
+    def __init__(self, groups: list[FlatGroup], process_group):
         self.groups = groups
         self.process_group = process_group
-        self.trace = trace
         # A persistent buffer by design, as DDP's: zeroed by zero_grad(), never freed.
         self.flat_grads = [torch.zeros_like(g.flat_param) for g in groups]
         for gi in range(len(groups)):
@@ -41,7 +40,7 @@ class StepReducer:
         self._attach_grads(gi)
         grad = torch.empty_like(g.flat_param[:g.shard_numel])
         for b in g.buckets:
-            with self.trace.span("reduce-scatter", b.index):
+            with trace.span("reduce-scatter", b.index):
                 reduce_scatter_into(grad[b.in_shard], b.region(flat_grad),
                                     group=self.process_group)
         return grad.div_(dist.get_world_size(self.process_group))

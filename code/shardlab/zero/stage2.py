@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardlab.comm import reduce_scatter_into
+from shardlab import trace
+from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.layout import Bucket, in_backward_order
-from shardlab.zero.trace import StepTrace
 
 
 class BackwardReducer:
@@ -37,11 +37,10 @@ class BackwardReducer:
     # bucket's full gradients until it completes.
     MAX_IN_FLIGHT = 2
 
-    def __init__(self, groups: list[FlatGroup], process_group, trace: StepTrace,
+    def __init__(self, groups: list[FlatGroup], process_group,
                  param_order: Sequence[nn.Parameter] | None):
         self.groups = groups
         self.process_group = process_group
-        self.trace = trace
         buckets = [b for g in groups for b in g.buckets]
         # Reduce first the bucket whose parameters come last in the model: its gradients
         # are complete first.
@@ -93,7 +92,7 @@ class BackwardReducer:
         # (a memory tracker's) must still find it.
         self._free_full_grads()
         self._complete_finished()
-        with self.trace.span("gradient into bucket", b.index):
+        with trace.span("gradient into bucket", b.index):
             if b not in self.buffers:
                 self.buffers[b] = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
             self.buffers[b][b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
@@ -122,7 +121,7 @@ class BackwardReducer:
             self.buffers[b] = torch.zeros_like(b.region(g.flat_param))
         buffer = self.buffers[b]
         mine = torch.empty(b.chunk_numel, dtype=buffer.dtype, device=buffer.device)
-        self.trace.mark("reduce-scatter", b.index, "start")
+        trace.mark("reduce-scatter", b.index)
         work = reduce_scatter_into(mine, buffer, group=self.process_group, async_op=True)
         self.in_flight.append((b, mine, work))
         while len(self.in_flight) > self.MAX_IN_FLIGHT:
@@ -136,7 +135,7 @@ class BackwardReducer:
     def _complete_oldest(self) -> None:
         b, mine, work = self.in_flight.pop(0)
         work.wait()
-        self.trace.mark("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
+        trace.mark("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
         # add, not copy: gradient accumulation sums the micro-batches into the shard
         self.grad_shards[b.group][b.in_shard].add_(mine.div_(b.world))
         del self.buffers[b]

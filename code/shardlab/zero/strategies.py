@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardlab.precision import Precision
-from shardlab.strategy import (OptimizerSpec, Wrapped, cast_model, check_options,
-                               check_same_on_all_ranks, named_full_parameters)
 from shardlab.buckets import DEFAULT_BUCKET_MB
+from shardlab.optimizers import OptimizerSpec
+from shardlab.precision import Precision
+from shardlab.strategy import (Wrapped, cast_model, check_options, check_same_on_all_ranks,
+                               named_full_parameters)
 from shardlab.zero.layout import check_bucket_mb, check_bucket_numel
 from shardlab.zero.optimizer import ZeroOptimizer
 

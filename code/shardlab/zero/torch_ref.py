@@ -16,8 +16,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.clip import GradClip
+from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import MasterWeightOptimizer, Precision
-from shardlab.strategy import (OptimizerSpec, Piece, Wrapped, cast_model, check_options,
+from shardlab.strategy import (Piece, Wrapped, cast_model, check_options,
                                named_full_parameters, state_of, tied_names)
 
 TORCH_ZERO1_OPTIONS: dict[str, Any] = {"find_unused_parameters": False}

@@ -1,5 +1,5 @@
-"""What the debugging chapter does to a run on purpose: slow a rank, cap the memory,
-recompute activations.
+"""The faults a run causes on purpose, for the debugging chapter: a slow rank, a memory
+limit.
 
 A production run fails in a few typical ways, and each is easier to recognise after it
 has been caused on purpose and seen in the run report (`shardlab.report`):
@@ -10,11 +10,8 @@ has been caused on purpose and seen in the run report (`shardlab.report`):
   against a known delay;
 * *out of memory*: the step crosses what the device holds, at one place in the step (the
   logits' forward, a layer's backward, the optimizer step). `memory_limit(limit)` watches
-  the step as PyTorch's `MemTracker` counts it and notes where it first crosses `limit`;
-* *recomputation* (activation checkpointing), the usual fix for activations:
-  `recompute_units(model)` keeps each unit's input instead of its activations and runs
-  its forward again in backward, with PyTorch's composable `checkpoint`, which leaves the
-  modules and their parameter names as they are.
+  the step as PyTorch's `MemTracker` counts it and notes where it first crosses `limit`.
+  The usual fix for activations, recomputation, is `shardlab.wrap.recompute_units`.
 
 A mistake with no error at all: *clipping by local norms*. A rank that clips its
 gradient shard by the shard's own norm scales it by another factor than its neighbours,
@@ -39,10 +36,6 @@ import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
-
-from torch import nn
-
-from shardlab.wrap import unit_modules
 
 
 # ----------------------------------------------------------------------------- a straggler
@@ -139,23 +132,5 @@ def _where(tracker: Any) -> tuple[str, str]:
     return phase, innermost.split(".", 1)[1] if "." in innermost else innermost
 
 
-# ----------------------------------------------------------------------------- recomputation
-
-
-def recompute_units(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
-    """Recompute the activations of each unit `policy` picks (the transformer blocks by
-    default; never the whole model, whose input is only token ids) in backward; return
-    the units. Their names and parameters do not change."""
-    from torch.distributed._composable import checkpoint
-
-    units = [m for m in unit_modules(model, policy) if m is not model]
-    if not units:
-        raise ValueError(f"recompute: the wrap policy {policy!r} picks no module below the "
-                         f"model itself; this model has no layers to recompute")
-    for unit in units:
-        checkpoint(unit)
-    return units
-
-
 __all__ = ["straggle", "check_straggler", "LimitCrossing", "LimitWatch", "memory_limit",
-           "check_memory_limit", "recompute_units"]
+           "check_memory_limit"]
