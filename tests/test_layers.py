@@ -23,7 +23,7 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
         "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet", "rendezvous",
-        "precision", "measure", "clock", "hardware", "network", "steptime", "models", "wrap", "manifest", "debugging",
+        "precision", "measure", "clock", "vocabulary", "arguments", "hardware", "network", "steptime", "models", "wrap", "manifest", "debugging",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
