@@ -352,6 +352,52 @@ def test_command_line(capsys):
     assert line.split()[-1] == f"{16 * 6_738_415_616 / GB:,.2f}"
 
 
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "hf-gpt2", "hf-llama",
+                                  "hf-llama-frozen-emb", "hf-mixtral"])
+def test_the_planner_counts_the_models_train_builds(name):
+    """One vocabulary: every model `train` builds by name, the planner counts, to the
+    parameter (each tied weight once), with the sequence its config allows."""
+    from shardlab.models import build_model
+    model = build_model(name)
+    assert memory.num_params(memory.as_config(name)) == \
+        sum(p.numel() for p in model.parameters())
+    assert memory.as_config(name).longest_sequence == 64
+
+
+def test_the_published_sizes_train_builds_are_the_planner_s():
+    """`train --model llama-2-7b` builds the Hugging Face model of its family at that shape
+    (here on the meta device: no bytes), with exactly the planner's Ψ; and a config.json
+    too, by its path."""
+    pytest.importorskip("transformers")
+    from shardlab.modelio import build_on_meta
+    for name in ("gpt2-small", "llama-2-7b", "llama-3-8b", "mixtral-8x7b"):
+        model = build_on_meta(name)
+        assert sum(p.numel() for p in model.parameters()) == memory.num_params(name), name
+
+
+def test_command_line_plans_the_names_train_takes_in_their_unit(capsys, tmp_path):
+    """gpt-tiny and hf-llama, the names `train` takes: MiB (not 0.00 GB), and the
+    sequence from the config (max_position_embeddings / n_positions) or --seq-len."""
+    assert memory.main(["--model", "gpt-tiny", "--world", "2", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-tiny: psi = 120,576 parameters" in out
+    assert "Model states per rank (MiB = 2^20 bytes)" in out
+    line = next(l for l in out.splitlines() if l.startswith("0 (DDP)"))
+    assert line.split()[-1] == f"{16 * 120_576 / 2**20:,.2f}"  # 1.84, not 0.00
+    assert "micro-batch 1 x 64 tokens (the longest the model takes)" in out
+    assert memory.main(["--model", "hf-llama", "--gpus", "2", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "hf-llama: psi = 125,248 parameters" in out
+    assert "micro-batch 1 x 16 tokens (--seq-len)" in out and "(MiB = 2^20 bytes)" in out
+    # a Hugging Face config.json: its own max_position_embeddings
+    config = dict(memory.to_hf_config(memory.get_model("llama-2-7b")),
+                  max_position_embeddings=2048)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    assert memory.main(["--model", str(tmp_path), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 1 x 2,048 tokens" in out and "(GB = 10^9 bytes)" in out
+
+
 def test_command_line_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         memory.main(["--model", "llama-9", "--gpus", "8"])

@@ -1,5 +1,6 @@
-"""The site as a reader meets it, and Colab: notebooks for the chapters, one repository URL,
-and a browser check that can fail.
+"""The site as a reader meets it, and Colab: notebooks for the chapters, an install cell
+that installs the course from what the course publishes (never from a repository), and a
+browser check that can fail.
 
 The check of the whole built site runs in `.ci/run` after the book is built
 (`python tools/check_site.py _build/html`); here the same checker is shown to catch each
@@ -9,8 +10,11 @@ problem on pages broken on purpose.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+import colab_install  # noqa: E402
 import colab_notebooks  # noqa: E402
 
 
@@ -37,18 +42,108 @@ def install_cells() -> dict[str, tuple[str, str]]:
     return cells
 
 
-def test_every_notebook_installs_the_course_from_the_one_repository_url():
+def test_every_chapter_notebook_installs_the_course_from_the_one_site_setting():
     """With the extras its code needs on Colab (DeepSpeed is not preinstalled there)."""
-    url = colab_notebooks.repository_url()
-    cells = install_cells()
-    assert len(cells) >= 13
+    site = colab_install.course_site()
+    cells = {name: cell for name, cell in install_cells().items()
+             if name.startswith("notebooks/")}
+    assert len(cells) >= 11
     for name, (source, rest) in cells.items():
-        assert source.startswith(colab_notebooks.INSTALL_COMMENT), name
         extras = colab_notebooks.package_extras(rest)
-        package = f"shardlab[{','.join(extras)}]" if extras else "shardlab"
-        assert f'"{package} @ git+{url}"' in source, name
-        assert source.count("git+") == 1, name
-    assert any("shardlab[deepspeed]" in source for source, _ in cells.values())
+        assert source == colab_install.cell_source(site, extras, ("myst-nb",)), name
+    assert any("extras=('deepspeed',)" in source for source, _ in cells.values())
+
+
+# What no file of the course may install from, or send a reader to: a repository (git+,
+# a clone, a Colab or Binder launch into GitHub). The course publishes its package and
+# notebooks itself (`tools/colab_install.py`).
+FOREIGN = re.compile(r"git\+https?://|git clone|colab\.research\.google\.com/github/|"
+                     r"mybinder\.org/v2/gh/|github\.com/shardlab")
+
+
+def tracked_text_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [ROOT / line for line in listed.stdout.splitlines()]
+    return [f for f in files if f.suffix in (".py", ".md", ".yml", ".yaml", ".ipynb", ".txt",
+                                             ".toml", ".cfg", ".sh", ".sbatch", "")
+            and f.is_file() and f.name != "test_site.py"]
+
+
+def test_no_file_installs_from_or_launches_into_a_repository():
+    found = [str(f.relative_to(ROOT)) for f in tracked_text_files()
+             if not f.relative_to(ROOT).parts[0] == "labs" and FOREIGN.search(f.read_text())]
+    assert found == []
+
+
+@pytest.mark.xfail(strict=True, reason="the labs' install cells still clone and install "
+                                       "from a repository; their cell is "
+                                       "colab_install.cell_source(..., labs=True)")
+def test_no_lab_installs_from_a_repository():
+    found = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "labs").glob("*.ipynb"))
+             if FOREIGN.search(f.read_text())]
+    assert found == []
+
+
+def test_the_install_cell_installs_from_an_upload_else_the_site_and_says_which(tmp_path):
+    """A local folder stands for the published site (file://). The cell does nothing off
+    Colab; its function takes the uploaded zip first, then the site's, and says in one
+    line which, or what to do when neither is there; the wheel it installs imports."""
+    site = tmp_path / "site"
+    wheel, archive = colab_install.build_course_files(site / colab_install.SITE_FOLDER)
+    with zipfile.ZipFile(archive) as z:
+        names = z.namelist()
+    assert wheel.name in names and "labs/graders/ring.py" in names
+    assert not any("__pycache__" in n or ".ipynb_checkpoints" in n for n in names)
+    source = colab_install.cell_source(site.as_uri(), ("deepspeed",), ("myst-nb",), labs=True)
+    namespace: dict = {}
+    exec(compile(source, "install cell", "exec"), namespace)  # not Colab: installs nothing
+    install = namespace["install_course"]
+    # neither an upload nor a site: one line saying what to do, nothing installed
+    content = tmp_path / "content"
+    content.mkdir()
+    line = install("", where=content)
+    assert line == (f"shardlab is not installed: no shardlab-course.zip in {content} and "
+                    f"no course site set; download shardlab-course.zip from the course's "
+                    f"site, upload it to {content} (the Files pane), and run this cell again")
+    line = install((tmp_path / "nowhere").as_uri(), where=content)
+    assert line.startswith("shardlab is not installed: file://") and "\n" not in line
+    # the site: read, unpacked, pip asked for the wheel (a dry run: nothing installed)
+    line = install(site.as_uri(), where=content, pip=("install", "-q", "--no-deps",
+                                                      "--dry-run"))
+    assert line == f"installed shardlab 0.1.0 from {site.as_uri()}"
+    assert (content / "shardlab-course" / "labs" / "graders" / "ring.py").is_file()
+    # an upload comes first, and its wheel installs and imports
+    shutil.copy2(archive, content / "shardlab-course.zip")
+    target = tmp_path / "installed"
+    line = install("https://example.invalid", where=content,
+                   pip=("install", "-q", "--no-deps", "--target", str(target)))
+    assert line == f"installed shardlab 0.1.0 from the uploaded {content / 'shardlab-course.zip'}"
+    imported = subprocess.run([sys.executable, "-c", "import shardlab.vocabulary as v, sys; "
+                               "print(v.__file__)"], capture_output=True, text=True,
+                              env={"PYTHONPATH": str(target), "PATH": ""})
+    assert imported.stdout.startswith(str(target)), imported.stderr
+
+
+def test_the_chapters_temporary_folders_go_with_their_kernel(tmp_path):
+    """The chapters' scratch folders (checkpoints, traces: about 143 MB a build) are
+    `TemporaryDirectory`s, removed when the kernel ends; run as the chapters make them, in
+    a process that then exits, they leave nothing."""
+    made = []
+    for chapter in sorted((ROOT / "chapters").glob("*.md")):
+        text = chapter.read_text()
+        assert "mkdtemp(" not in text, chapter.name
+        made += re.findall(r"^(\w+ = tempfile\.TemporaryDirectory\([^)]*\))(?: *#.*)?$", text,
+                           flags=re.M)
+    assert len(made) >= 4, made
+    script = "import tempfile\n" + "\n".join(
+        f"{line}\nprint({line.split(' =')[0]}.name)" for line in made)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={"TMPDIR": str(tmp_path), "PATH": ""}, check=True)
+    folders = done.stdout.split()
+    assert len(folders) == len(made) and all(f.startswith(str(tmp_path)) for f in folders)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_lab_shows_its_title_before_the_install_cell():
@@ -72,9 +167,11 @@ BROKEN = {
     "broken-image.html": "<html><body><img src='missing.png'></body></html>",
     "error-output.html": "<html><body><div class='output traceback'>Traceback</div>"
                          "</body></html>",
-    "missing-notebook.html": "<html><body><a href='https://colab.research.google.com/github/"
-                             "shardlab/shardlab/blob/main/notebooks/nowhere.ipynb'>Colab</a>"
-                             "</body></html>",
+    "launch-into-a-repository.html": "<html><body><a href='https://colab.research.google."
+                                     "com/github/someone/else/blob/main/x.ipynb'>Colab</a>"
+                                     "</body></html>",
+    "missing-notebook.html": "<html><body><a href='nowhere.ipynb'>.ipynb</a></body></html>",
+    "escaped-underscore.html": "<html><body><p>reshard\\_after\\_forward</p></body></html>",
     "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p>"
                  "<img src='sharp.png'></body></html>",
     # what MathJax leaves for a display equation wider than the column
@@ -117,7 +214,11 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
     assert any("untypeset TeX" in p for p in found["raw-tex.html"])
     assert any("broken image: missing.png" in p for p in found["broken-image.html"])
     assert found["error-output.html"] == ["1 error output(s)"]
-    assert any("notebooks/nowhere.ipynb" in p for p in found["missing-notebook.html"])
+    assert any("launch link into a repository" in p
+               for p in found["launch-into-a-repository.html"])
+    assert any("notebook the site does not hold" in p and "nowhere.ipynb" in p
+               for p in found["missing-notebook.html"])
+    assert any("escaped underscore shown" in p for p in found["escaped-underscore.html"])
     assert any("display equation wider than the column (3000 px" in p
                for p in found["wide-equation.html"])
     assert any("figure text too small: wide.png" in p and "5.6 px" in p

@@ -27,6 +27,9 @@ def _one_thread_everywhere(one_thread):
     ({"strategy": "dpp"}, "unknown strategy 'dpp'"),
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"model": "gpt-huge"}, "unknown model 'gpt-huge'"),
+    ({"model": "gpt2"}, r"unknown model 'gpt2' \(did you mean hf-gpt2\?\)"),
+    # a published size is built whole by every rank first: refused where it cannot fit
+    ({"model": "gpt3-175b", "world": 1}, r"1 rank\(s\) building it in fp32 need 698.4 GB"),
     ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
     ({"strategy": "ddp", "world": 3}, "multiple of 3"),
     ({"strategy": "ddp", "world": 2, "grad_accum": 3}, "multiple of 6"),
@@ -49,8 +52,8 @@ def test_bad_configs_are_refused_before_any_process_starts(change, message):
 
 
 def test_unknown_options_are_refused_naming_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"'ddp' got unknown option\(s\) \['bucket'\].*"
-                                         r"bucket_mb"):
+    with pytest.raises(ValueError, match=r"'ddp' got unknown option\(s\) \['bucket'\] "
+                                         r"\(did you mean bucket_mb\?\).*bucket_mb"):
         run(TrainConfig(strategy="ddp", world=1, options={"bucket": 4}))
 
 

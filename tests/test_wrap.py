@@ -60,13 +60,43 @@ def test_hugging_face_layers_found_from_no_split_modules():
         assert {c.__name__ for c in layer_classes(model)} == {layer}
         assert unit_modules(model, "auto") == [*layers(model), model]
         assert unit_modules(model, f"class:{layer}") == [*layers(model), model]
-        assert describe(model, "auto") == f"3 units: 2 x {layer} + the root"
+        assert describe(model, "auto") == (f"3 units: 2 x {layer} + the root (auto: the "
+                                           f"layers its _no_split_modules names)")
 
 
-def test_a_model_without_layers_is_one_unit():
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert unit_modules(model, "auto") == [model]
+def test_auto_wraps_a_plain_sequential_by_its_layers_and_says_so():
+    """A model that declares no layers is not made one unit (which gathers it whole, the
+    failure chapter 8 measures): "auto" takes its list of layers of one class."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 64))
+    assert unit_modules(model, "auto") == [model[0], model[2], model[4], model]
+    assert describe(model, "auto") == \
+        "4 units: 3 x Linear + the root (auto: its list of 3 Linear layers)"
     assert unit_modules(model, "model") == [model]
+    assert describe(model, "model") == "1 unit: the root"
+
+
+def test_auto_without_a_list_of_layers_wraps_by_size_and_a_small_model_whole():
+    """No declared layers and no list of them: as `size_based_auto_wrap_policy`, the
+    modules of at least a tenth of the model and 2^16 parameters; a model with none that
+    large stays one unit, and the report line says why."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encode, self.norm = nn.Linear(512, 512), nn.LayerNorm(512)
+            self.decode = nn.Linear(512, 64)
+
+        def forward(self, x):
+            return self.decode(self.norm(self.encode(x)))
+
+    net = Net()
+    assert unit_modules(net, "auto") == [net.encode, net]  # decode: 32,832 < 2^16
+    assert describe(net, "auto").endswith("(auto: every module of at least 65,536 "
+                                          "parameters (min-params:65536))")
+    toy = build_model("toy-tied")  # 5,168 parameters: one unit is all it needs
+    assert unit_modules(toy, "auto") == [toy]
+    assert describe(toy, "auto") == ("1 unit: the root (auto: one unit: no declared "
+                                     "layers, and no module of 65,536 parameters or more)")
 
 
 @pytest.mark.parametrize("policy,message", [

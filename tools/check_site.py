@@ -4,8 +4,10 @@
 
 For each page: JavaScript errors (the console's SEVERE entries), images that do not load,
 error outputs of executed cells, TeX left untypeset once MathJax is done (`$$`, `\\begin{`,
-`\\frac`, ... in the visible text, outside code), and launch links to a notebook that does
-not exist in the repository. And what the page looks like at 1280 px: a display equation
+`\\frac`, ... in the visible text, outside code), an escaped underscore shown as `\\_` (in
+the text, or inside an equation's `\\text{}`/`\\texttt{}`, where MathJax prints it as it
+is), launch links into a repository (the course publishes its notebooks and package on its own
+site: `tools/colab_install.py`), and download links to a notebook the site does not hold. And what the page looks like at 1280 px: a display equation
 wider than the text column (once `_static/fit-math.js` has set it as small as it may), and
 a figure shown so much smaller than it was drawn that its smallest text (8 points, the
 smallest the course's figures use) is under 10 px on the screen; the figure's resolution
@@ -26,6 +28,12 @@ from urllib.parse import unquote
 ROOT = Path(__file__).resolve().parent.parent
 RAW_TEX = re.compile(r"\$\$|\\begin\{|\\end\{|\\frac|\\sum_|\\mathrm\{|\\text\{|\\Psi\b")
 SKIP = {"genindex.html", "search.html"}
+ESCAPED_UNDERSCORE = re.compile(r"\\_")
+# MathJax reads \_ in math as an underscore, but prints it as it is in text mode
+TEXT_UNDERSCORE = re.compile(r"\\text(?:tt|rm|sf|it|bf)?\{[^}]*\\_")
+# A launch link opens a notebook from a repository (Colab's from GitHub, Binder's): the
+# course names no repository it does not own, and offers its notebooks for download
+REPOSITORY_LINK = re.compile(r"colab\.research\.google\.com/github/|mybinder\.org/v2/gh/")
 # A figure's smallest text: matplotlib's points, the course's smallest size, and the least
 # it may be on the screen.
 SMALLEST_PT = 8
@@ -44,8 +52,10 @@ const report = () => {
     brokenImages: [...document.images].filter(i => !i.complete || i.naturalWidth === 0)
                                       .map(i => i.getAttribute("src")),
     errorOutputs: document.querySelectorAll(".output.traceback, .output.error").length,
-    colab: [...document.querySelectorAll("a[href*='colab.research.google.com']")]
-               .map(a => a.href),
+    links: [...document.querySelectorAll("a[href]")].map(a => a.href),
+    // each equation's TeX source, as MathJax read it
+    tex: (() => { try { return MathJax.startup.document.getMathItemsWithin(document.body)
+                                 .map(m => m.math); } catch (_) { return []; } })(),
     // display equations still wider than their box (hidden ones have no width)
     wideMath: [...document.querySelectorAll('mjx-container[display="true"]')]
         .filter(e => e.clientWidth && e.scrollWidth > e.clientWidth + 1)
@@ -130,10 +140,20 @@ def check_page(driver, page: Path, repo: Path = ROOT) -> list[str]:
                     f"figure text too small: {name} drawn {figure['natural']} px "
                     f"wide at {dpi:.0f} dpi, shown {figure['shown']:.0f} px wide, so "
                     f"{SMALLEST_PT}-point text is {px:.1f} px (under {MIN_TEXT_PX})")
-    for url in found["colab"]:
-        path = url.split("/blob/", 1)[1].split("/", 1)[1] if "/blob/" in url else ""
-        if not path.endswith(".ipynb") or not (repo / path).is_file():
-            problems.append(f"launch link to a notebook that is not in the repository: {url}")
+    for match in ESCAPED_UNDERSCORE.finditer(found["text"]):
+        context = found["text"][max(0, match.start() - 30):match.end() + 30]
+        problems.append(f"escaped underscore shown: ...{' '.join(context.split())}...")
+        break
+    for tex in found["tex"]:
+        if TEXT_UNDERSCORE.search(tex):
+            problems.append(f"escaped underscore shown in an equation's text: "
+                            f"{' '.join(tex.split())[:80]}")
+    for url in found["links"]:
+        if REPOSITORY_LINK.search(url):
+            problems.append(f"launch link into a repository: {url}")
+        elif url.startswith("file:") and url.split("#")[0].endswith(".ipynb") \
+                and not Path(unquote(url.split("#")[0][len("file://"):])).is_file():
+            problems.append(f"link to a notebook the site does not hold: {url}")
     return problems
 
 

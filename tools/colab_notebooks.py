@@ -1,11 +1,11 @@
-"""The chapters as notebooks Colab can open, and the one install cell every notebook runs.
+"""The chapters as notebooks Colab can open, each with the course's install cell.
 
-Colab opens `.ipynb` files from the repository, and the chapters are MyST Markdown
-(`chapters/*.md`), which it cannot open. This writes `notebooks/chapters/<name>.ipynb`
-from each chapter of `_toc.yml` with jupytext, without outputs, and puts under the title
-the cell that installs the course on Colab (and does nothing anywhere else), the same
-cell the labs start with. The repository it installs from is read from `_config.yml`
-(`repository.url`), the one place it is written.
+Colab opens `.ipynb` files, and the chapters are MyST Markdown (`chapters/*.md`), which it
+cannot open. This writes `notebooks/chapters/<name>.ipynb` from each chapter of `_toc.yml`
+with jupytext, without outputs, and puts under the title the cell that installs the course
+on Colab (and does nothing anywhere else): `tools/colab_install.py` writes it, installing
+from the site `_config.yml` names (`html.baseurl`) or from a zip the reader uploads. The
+site serves each notebook beside its chapter's page (`_ext/colab_links.py`).
 
     python tools/colab_notebooks.py           # write the notebooks
     python tools/colab_notebooks.py --check   # exit 1 if one is missing or out of date
@@ -21,14 +21,10 @@ import jupytext
 import nbformat
 import yaml
 
+from colab_install import INSTALL_COMMENT, cell_source, course_site  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "notebooks"
-INSTALL_COMMENT = "# On Colab, install the course package; anywhere else this cell does nothing."
-
-
-def repository_url() -> str:
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return config["repository"]["url"].rstrip("/")
 
 
 def package_extras(code: str) -> tuple[str, ...]:
@@ -37,16 +33,10 @@ def package_extras(code: str) -> tuple[str, ...]:
     return ("deepspeed",) if "deepspeed" in code else ()
 
 
-def install_source(extras: tuple[str, ...] = (), package: tuple[str, ...] = ()) -> str:
-    """The install cell: shardlab with the `package` extras it needs, and other `extras`
-    (chapters also need myst-nb: they `glue` their numbers)."""
-    shardlab = f"shardlab[{','.join(package)}]" if package else "shardlab"
-    packages = ", ".join(f'"{p}"' for p in (f"{shardlab} @ git+{repository_url()}", *extras))
-    return (f"{INSTALL_COMMENT}\n"
-            "import importlib.util, subprocess, sys\n"
-            'if "google.colab" in sys.modules and importlib.util.find_spec("shardlab") is None:\n'
-            '    subprocess.run([sys.executable, "-m", "pip", "install", "-q",\n'
-            f"                    {packages}], check=True)")
+def install_source(code: str) -> str:
+    """A chapter's install cell: shardlab with the extras its `code` needs, and myst-nb
+    (chapters `glue` their numbers)."""
+    return cell_source(course_site(), package_extras(code), ("myst-nb",))
 
 
 def toc_files(prefix: str) -> list[Path]:
@@ -60,7 +50,7 @@ def chapter_notebook(source: Path) -> nbformat.NotebookNode:
     notebook.metadata.pop("jupytext", None)
     title = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "markdown"), -1)
     code = "\n".join(c.source for c in notebook.cells if c.cell_type == "code")
-    cell = nbformat.v4.new_code_cell(install_source(("myst-nb",), package_extras(code)))
+    cell = nbformat.v4.new_code_cell(install_source(code))
     cell.id = "install-on-colab"
     notebook.cells.insert(title + 1, cell)
     for i, c in enumerate(notebook.cells):

@@ -4,79 +4,78 @@
     torchrun --nproc-per-node=4 -m shardlab train --strategy fsdp2
 
 It builds a `shardlab.config.TrainConfig` from the arguments, runs it on `--world` ranks
-(or under torchrun), and prints the ranks' summary table (`shardlab.report`), optionally
-writing the whole report as JSON.
+(or under torchrun), and prints the ranks' summary table (`shardlab.report`) with a legend
+of its columns, where the run's files went, optionally writing the whole report as JSON.
+
+The arguments are read, and a misspelt one refused in one line naming the nearest choice,
+before torch is imported (`shardlab.arguments`, `shardlab.vocabulary`): torch takes seconds
+to import, and a typo should not. Ctrl-C and SIGTERM end in one line naming the step
+reached and the last checkpoint.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
-from shardlab.cards import CARDS, card, names
-from shardlab.config import TrainConfig, check_writable_folder
-from shardlab.launch.devices import BACKENDS, DEVICES
-from shardlab.launch.errors import LaunchError, RankFailed
-from shardlab.launch.torchrun import check_world, first_to_say, under_torchrun
-from shardlab.models import LOSS_MEANS, MODEL_NAMES, build_model
-from shardlab.optimizers import OPTIMIZERS
-from shardlab.report import report_to_json, summary_table, whereabouts_lines
-from shardlab.train import run
-from shardlab.wrap import unit_modules
+from shardlab.arguments import Parser, key_value
+from shardlab.cards import CARDS, names
+from shardlab.memory.configs import model_names
+from shardlab.vocabulary import (BACKENDS, DEVICES, LOSS_MEANS, OPTIMIZERS, PRECISIONS,
+                                 did_you_mean, is_config_path)
 
-
-def _parse_option(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--option takes key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    for convert in (int, float):
-        try:
-            return key, convert(value)
-        except ValueError:
-            pass
-    lowered = value.lower()
-    return key, {"true": True, "false": False}.get(lowered, value)
+# The flags whose default is TrainConfig's: read from it for --help, else filled in by
+# `_config` (TrainConfig's module imports torch, which a plain parse does not).
+DEFAULTED = ("strategy", "model", "precision", "optimizer", "lr", "steps", "batch_size",
+             "seq_len", "grad_accum", "seed", "loss_mean")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from shardlab.precision import PRECISIONS
-    p = argparse.ArgumentParser(
+def build_parser(defaults=None) -> Parser:
+    """The command line. `defaults`: a TrainConfig whose values `--help` shows; without
+    one the flags of `DEFAULTED` left out parse as None."""
+    p = Parser(
         prog="python -m shardlab train",
-        description="Train a small GPT with any strategy, through the launcher "
+        description="Train a model with any strategy, through the launcher "
                     "(--world N) or under torchrun (torchrun --nproc-per-node=N -m "
-                    "shardlab train ...).")
-    defaults = TrainConfig()
-    p.add_argument("--strategy", default=defaults.strategy, choices=sorted(CARDS))
+                    "shardlab train ...).",
+        epilog="The summary table's columns are explained under it; chapter 8 measures "
+               "each.")
+    d = {name: getattr(defaults, name, None) for name in DEFAULTED}
+    p.add_argument("--strategy", default=d["strategy"], choices=sorted(CARDS))
     p.add_argument("--world", type=int, default=None,
                    help="ranks to launch (default 1; under torchrun: its WORLD_SIZE)")
     p.add_argument("--nodes", type=int, default=None,
                    help="nodes the run spans, checked against torchrun's --nnodes "
                         "(GROUP_WORLD_SIZE); the launcher runs on this one node")
-    p.add_argument("--model", default=defaults.model, choices=list(MODEL_NAMES))
-    p.add_argument("--precision", default=defaults.precision, choices=sorted(PRECISIONS))
-    p.add_argument("--optimizer", default=defaults.optimizer, choices=sorted(OPTIMIZERS))
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size,
+    p.add_argument("--model", default=d["model"], metavar="NAME",
+                   help=f"one of {', '.join(model_names())} (the published sizes are "
+                        f"built as the Hugging Face model of their family), or the path "
+                        f"of a Hugging Face config.json; python -m shardlab memory "
+                        f"predicts the same names")
+    p.add_argument("--precision", default=d["precision"], choices=PRECISIONS)
+    p.add_argument("--optimizer", default=d["optimizer"], choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=d["lr"], help="learning rate")
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
                    help="global batch of one step, split among the ranks")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--option", action="append", type=_parse_option, default=[],
+    p.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per row")
+    p.add_argument("--grad-accum", type=int, default=d["grad_accum"],
+                   help="micro-batches per step")
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--option", action="append", type=key_value, default=[],
                    metavar="KEY=VALUE", help="a strategy option, e.g. bucket_mb=4 (repeatable)")
     p.add_argument("--wrap", metavar="POLICY",
                    help=f"the units of {'/'.join(names(takes_units=True))}: auto, blocks, "
-                        f"model, class:Name[,Name], min-params:N (see shardlab.wrap)")
-    p.add_argument("--model-config", action="append", type=_parse_option, default=[],
+                        f"model, class:Name[,Name], min-params:N (see shardlab.wrap; "
+                        f"default auto)")
+    p.add_argument("--model-config", action="append", type=key_value, default=[],
                    metavar="KEY=VALUE", help="a setting of the model's architecture, e.g. "
                                              "n_layer=12 (repeatable)")
-    p.add_argument("--backend", default="auto", choices=list(BACKENDS))
-    p.add_argument("--device", default="auto", choices=list(DEVICES),
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: NCCL with a GPU per rank, gloo with ranks sharing the GPUs, "
                         "or gloo on the CPU; cpu or cuda to force one")
     p.add_argument("--slow-rank", type=int, default=None, metavar="RANK",
@@ -90,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save a sharded checkpoint every N steps (0: never)")
     p.add_argument("--checkpoint-dir", default="checkpoints", metavar="DIR",
-                   help="where checkpoints go, one folder per step (default: checkpoints)")
+                   help="where checkpoints go, one folder per step")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="FOLDER",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, "
-                        "or from FOLDER; train up to --steps")
+                        "or from FOLDER (one step-N folder); train up to --steps")
     p.add_argument("--resume-world", type=int, default=None, metavar="N",
                    help="resume on N ranks, whatever world size saved the checkpoint "
                         "(the same as --world N with --resume)")
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after training, write the full unsharded state dict (torch.save)")
     p.add_argument("--clip-norm", type=float, default=None, metavar="NORM",
                    help="clip the gradients to this global norm before each step")
-    p.add_argument("--loss-mean", default=defaults.loss_mean, choices=list(LOSS_MEANS),
+    p.add_argument("--loss-mean", default=d["loss_mean"], choices=LOSS_MEANS,
                    help="'tokens': the summed loss over the global count of tokens; "
                         "'per-batch': the naive mean of the micro-batches' and ranks' means")
     p.add_argument("--variable-lengths", action="store_true",
@@ -125,7 +124,11 @@ _FLAG_WORDS = [
     (r"\btrusted=True\b", "--trust-checkpoint"),
     (r"\bresume=True\b", "--resume"),
     (r"\bresume=False\b", "no --resume"),
-    (r"\b(precision|optimizer)='([^']*)'", r"--\1 \2"),
+    (r"\b(precision|optimizer|resume)='([^']*)'", r"--\1 \2"),
+    (r"\bcheckpoint_dir='([^']*)'", r"--checkpoint-dir \1"),
+    # a strategy's options: options={'shard_group': 2} -> --option shard_group=2
+    (r"\boptions=\{'(\w+)': ([^}]*)\}", r"--option \1=\2"),
+    (r"\b(?<!-)option (\w+)=", r"--option \1="),
     (r"(?<![\w./-])(batch_size|seq_len|grad_accum|save_every|checkpoint_dir|model_config|"
      r"trust_checkpoint|resume_world|slow_rank|slow_seconds|init_from|clip_norm|loss_mean|"
      r"variable_lengths)(?![\w/.-])", lambda m: "--" + m[1].replace("_", "-")),
@@ -143,10 +146,26 @@ def in_flags(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 after training, or 2 with one line `error: ...` on stderr for anything that
-    cannot run, found before a process starts where it can be."""
+    """Exit 0 after training; 2 with one line `error: ...` on stderr for anything that
+    cannot run, found before a process starts where it can be (a misspelt argument before
+    torch is even imported); 130 or 143, with one line naming the step reached and the
+    last checkpoint, when Ctrl-C or SIGTERM stops the run."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = None
+    if "-h" in argv or "--help" in argv:  # the defaults shown are TrainConfig's own
+        from shardlab.config import TrainConfig
+        defaults = TrainConfig()
+    parser = build_parser(defaults)
+    args = parser.parse_args(argv)
+    if args.model is not None and args.model not in model_names() \
+            and not is_config_path(args.model):
+        parser.refuse(f"--model {args.model!r} is not a model name"
+                     f"{did_you_mean(args.model, model_names())}: "
+                     f"{', '.join(model_names())}, or the path of a config.json")
+    from shardlab.launch.errors import LaunchError, RankFailed
+    from shardlab.launch.torchrun import first_to_say, under_torchrun
     try:
-        return _main(build_parser().parse_args(argv))
+        return _main(args)
     except (ValueError, LaunchError) as exc:
         if under_torchrun() and not first_to_say():
             return 2  # every rank has the same line to say: the first of each node says it
@@ -158,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _config(args) -> TrainConfig:
+def _config(args):
+    from shardlab.cards import card
+    from shardlab.config import TrainConfig, check_writable_folder
+    from shardlab.launch.torchrun import check_world, under_torchrun
+    defaults = TrainConfig()
+    for name in DEFAULTED:
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
     torchrun = under_torchrun()
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes must be a whole number of nodes >= 1, got {args.nodes}")
@@ -211,22 +237,87 @@ def _config(args) -> TrainConfig:
 
 
 def _main(args) -> int:
+    from shardlab.launch.torchrun import under_torchrun
+    from shardlab.models import build_model
+    from shardlab.train import run
+    from shardlab.wrap import unit_modules
     config = _config(args)
     if args.wrap is not None:  # a policy that names no class of this model fails here
         unit_modules(build_model(config.model, config.seed, config.model_config), args.wrap)
-    reports = run(config, backend=args.backend, device=args.device,
-                  progress=not args.no_progress)
+    try:
+        reports = run(config, backend=args.backend, device=args.device,
+                      progress=not args.no_progress)
+    except KeyboardInterrupt as stopped:
+        return _stopped(config, stopped, 130)
+    except SystemExit as stopped:
+        if stopped.code != 143:  # SIGTERM, unwound by the launcher as SystemExit(143)
+            raise
+        return _stopped(config, stopped, 143)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
-    if reports[0].first_step:
-        print(f"\nresumed at step {reports[0].first_step}")
-    print(f"\n{config.strategy} on {config.world} rank(s) ({reports[0].placement}): "
-          f"{config.model} ({reports[0].psi:,} parameters), {config.precision}, "
+    _print_report(config, args, reports)
+    return 0
+
+
+def _print_report(config, args, reports) -> None:
+    from shardlab import checkpoint
+    from shardlab.report import TABLE_LEGEND, report_to_json, summary_table, whereabouts_lines
+    first = reports[0]
+    if first.resumed_from:
+        saved = checkpoint.info(first.resumed_from).get("world") \
+            if checkpoint.is_complete(first.resumed_from) else None
+        by = f", saved by {saved} rank(s)" if saved else ""
+        print(f"\nresumed at step {first.first_step} from {first.resumed_from}{by}")
+    print(f"\n{config.strategy} on {config.world} rank(s) ({first.placement}): "
+          f"{config.model} ({first.psi:,} parameters), {config.precision}, "
           f"{config.optimizer}, {config.steps} steps of {config.batch_size} x "
           f"{config.seq_len} tokens")
+    if first.units:
+        print(f"units: {first.units}")
     print(summary_table(reports))
+    print("\n" + TABLE_LEGEND)
     print("\n" + whereabouts_lines(reports))
+    for line in _files_written(config):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(report_to_json(config, reports), indent=1))
         print(f"report written to {args.json}")
-    return 0
+
+
+def _files_written(config) -> list[str]:
+    """Where the run's files went, one line each."""
+    from shardlab import checkpoint
+    lines = []
+    if config.save_every:
+        saved = checkpoint.complete_steps(config.checkpoint_dir)
+        if saved:
+            lines.append(f"checkpoints: {len(saved)} in {config.checkpoint_dir}, the newest "
+                         f"{saved[-1]} (continue with --resume)")
+    if config.profile_dir:
+        traces = sorted(Path(config.profile_dir).glob("rank*.json"))
+        lines.append(f"profiler traces: {', '.join(map(str, traces))} (open in "
+                     f"ui.perfetto.dev)")
+    if config.export_path:
+        lines.append(f"full state dict written to {config.export_path}")
+    return lines
+
+
+def _stopped(config, stopped: BaseException, code: int) -> int:
+    """One line for a run Ctrl-C (130) or SIGTERM (143) stopped: the step it reached, the
+    last checkpoint, how to go on."""
+    from shardlab import checkpoint
+    how = "interrupted" if code == 130 else "terminated"
+    saved = checkpoint.complete_steps(config.checkpoint_dir) if config.save_every else []
+    last = checkpoint.info(saved[-1])["step"] if saved else None
+    # rank 0 notes a step after its save: the newest checkpoint may be a step ahead
+    done = max((n for n in (getattr(stopped, "steps_done", None), last) if n is not None),
+               default=None)
+    reached = (f"after step {done} of {config.steps}" if done is not None
+               else "before its first step finished")
+    if saved:
+        then = (f"last checkpoint {saved[-1]} (step {last}); resume with --resume "
+                f"--checkpoint-dir {config.checkpoint_dir}")
+    else:
+        then = "no checkpoint saved (--save-every N saves one every N steps)"
+    print(f"\n{how} {reached}; {then}", file=sys.stderr)
+    return code

@@ -21,8 +21,9 @@ from shardlab import checkpoint, modelio
 from shardlab.cards import OURS, card, names
 from shardlab.comm.links import SimulatedNetwork, check_simulated_network
 from shardlab.faults import check_memory_limit, check_straggler
+from shardlab.memory import as_config
 from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_loss_mean,
-                             corpus_tokens, longest_sequence)
+                             corpus_tokens, hf_spec, longest_sequence)
 from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.strategy import check_before_launch, checkpoint_refusal, get_strategy
@@ -38,6 +39,8 @@ class TrainConfig:
     # -- what is trained, and how
     strategy: str = "single"
     world: int = 1
+    # A model name of `shardlab.memory.model_names()` (the course's, or a published size:
+    # the Hugging Face model of its family at that shape), or the path of a config.json.
     model: str = "gpt-tiny"
     # Settings of the model's architecture (`shardlab.models.build_model`'s `config`):
     # e.g. {"n_layer": 12, "n_embd": 768} for a GPT-2 of real size.
@@ -128,7 +131,7 @@ class TrainConfig:
         optimizer_spec(self.optimizer, self.lr, self.clip_norm)
         check_simulated_network(self.simulated_network)
         if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; use one of {list(MODEL_NAMES)}")
+            hf_spec(self.model)  # a published size or a config.json, else refused by name
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
                 or not math.isfinite(self.lr) or self.lr <= 0:
             # a NaN or negative rate trains without an error: every weight turns NaN,
@@ -142,6 +145,25 @@ class TrainConfig:
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
         check_before_launch(self.strategy, self.options, self.world)
+        if self.init_from is None:
+            self._check_host_memory()
+
+    def _check_host_memory(self) -> None:
+        """Each rank builds the whole model in fp32 before it wraps it: refuse, before any
+        rank starts, a model whose copies do not fit in this machine's available memory
+        (a published size on a laptop would swap for hours, not fail)."""
+        try:
+            psi = as_config(self.model, self.model_config).num_params()
+        except ValueError:
+            return  # a toy, or a model the planner does not count: small
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        need, available = 4 * psi * ranks, available_host_memory()
+        if available is not None and need > available:
+            raise ValueError(f"model {self.model!r} has {psi:,} parameters: {ranks} rank(s) "
+                             f"building it in fp32 need {need / 1e9:,.1f} GB, and this "
+                             f"machine has {available / 1e9:,.1f} GB available; plan it with "
+                             f"python -m shardlab memory --model {self.model}, or train a "
+                             f"smaller size (model_config)")
 
     def _check_steps(self) -> None:
         check_loss_mean(self.loss_mean)
@@ -232,6 +254,13 @@ class TrainConfig:
         # the one process that speaks: the launching one (under torchrun, rank 0's)
         folder = resume_folder(self, say=print if os.environ.get("RANK", "0") == "0" else None)
         if not checkpoint.is_complete(folder):
+            held = checkpoint.complete_steps(folder)
+            if held:  # the folder that holds the checkpoints: the natural guess
+                names = ", ".join(f.name for f in held[-4:])
+                raise ValueError(f"{folder} holds checkpoints ({'..., ' if len(held) > 4 else ''}"
+                                 f"{names}) and is not one itself: resume from the newest "
+                                 f"that verifies with resume=True and checkpoint_dir="
+                                 f"'{folder}', or from one of them, e.g. resume='{held[-1]}'")
             if not self.trust_checkpoint:  # the ranks' load would refuse it, later
                 raise ValueError(f"{folder} is not a complete shardlab checkpoint (no "
                                  f"{checkpoint.MARKER} marker): resume from one that "
@@ -276,6 +305,18 @@ def resume_folder(config: TrainConfig, say=None) -> Path | None:
         raise ValueError(f"no complete checkpoint that verifies in {config.checkpoint_dir}: "
                          f"train with save_every first, or resume=False")
     return folder
+
+
+def available_host_memory() -> int | None:
+    """Bytes this machine can still hand out without swapping (Linux's MemAvailable), or
+    None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _check_whole(config: TrainConfig, names: tuple[str, ...], least: int) -> None:

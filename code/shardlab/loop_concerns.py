@@ -191,6 +191,7 @@ class Checkpoints:
         self.config, self.wrapped = config, wrapped
         self.saves: list[float] = []
         self.load_seconds: float | None = None
+        self.folder: Path | None = None  # the checkpoint resumed from
 
     def resume(self) -> int:
         """Load the checkpoint `config.resume` names; return the step to continue from."""
@@ -198,8 +199,8 @@ class Checkpoints:
             return 0
         start = time.perf_counter()
         # check_resume, in the launching process, already said which checkpoints it skipped
-        step = checkpoint.load(resume_folder(self.config, say=None), self.wrapped,
-                               trusted=self.config.trust_checkpoint)
+        self.folder = resume_folder(self.config, say=None)
+        step = checkpoint.load(self.folder, self.wrapped, trusted=self.config.trust_checkpoint)
         self.load_seconds = time.perf_counter() - start
         return step
 
@@ -222,19 +223,22 @@ class Checkpoints:
 
 
 @contextlib.contextmanager
-def progress_shown(progress: str | None, steps: int):
+def progress_shown(progress: str | None, steps: int, with_loss: bool = True):
     """rank 0's progress: a live tqdm bar ("tqdm"), or lines appended to a file that the
-    launching process reads to draw the bar (ranks' own output only comes back at the
-    end), or nothing. Yields `show(step, loss)`; the bar ends its line when the block
-    ends, also by an error, so that the error is printed on a line of its own."""
+    launching process reads (to draw the bar, as ranks' own output only comes back at the
+    end; to say which step a stopped run reached), or nothing. Yields `show(step, loss)`;
+    the bar ends its line when the block ends, also by an error, so that the error is
+    printed on a line of its own. The loss shown is rank 0's rows' (the global batch's
+    would need a collective every step); without `with_loss` the file gets the step
+    alone: no .item(), no GPU sync per step."""
     if progress is None:
-        yield lambda step, loss: None  # no .item(): no GPU sync per step
+        yield lambda step, loss: None
     elif progress == "tqdm":
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, desc="train", unit="step")
 
         def update(step, loss):
-            bar.set_postfix({"loss on rank 0": f"{loss.item():.4f}"})
+            bar.set_postfix({"loss (rank 0's rows)": f"{loss.item():.4f}"})
             bar.update(1)
         try:
             yield update
@@ -245,5 +249,5 @@ def progress_shown(progress: str | None, steps: int):
 
         def write(step, loss):
             with path.open("a") as f:
-                f.write(f"{step} {loss.item():.6f}\n")
+                f.write(f"{step} {loss.item():.6f}\n" if with_loss else f"{step}\n")
         yield write

@@ -23,7 +23,6 @@ parameters, a parameter the forward never uses, two modules sharing one weight, 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,29 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB_SIZE = 256  # byte-level tokens
+# What each name stands for is data, read without torch by the command line
+from shardlab.memory.configs import as_config, to_hf_config
+from shardlab.vocabulary import (GPT_CONFIGS, HF_MODELS, LOSS_MEANS,  # noqa: F401
+                                 MODEL_NAMES, VOCAB_SIZE, GPTConfig, HFModel,
+                                 did_you_mean)
+
 IGNORE_INDEX = -100  # the label of a padding token: the loss skips it (PyTorch's default)
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
 
 # ----------------------------------------------------------------------------- the GPT
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = VOCAB_SIZE
-    block_size: int = 64  # longest sequence the position embedding covers
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 64
-
-
-GPT_CONFIGS = {
-    "gpt-tiny": GPTConfig(n_layer=2, n_head=4, d_model=64),
-    # big enough (about 3.2 M parameters, 12.6 MB of fp32 gradients) that the gradient
-    # all-reduce costs about as much as the compute of a small CPU step
-    "gpt-small": GPTConfig(n_layer=4, n_head=8, d_model=256),
-}
 
 
 class CausalSelfAttention(nn.Module):
@@ -182,57 +169,10 @@ class ToyBuffers(ToyNet):
 
 
 TOY_MODELS = {"toy-frozen": ToyFrozen, "toy-unused": ToyUnused, "toy-tied": ToyTied,
-              "toy-buffers": ToyBuffers}
+              "toy-buffers": ToyBuffers}  # in the order of vocabulary.TOY_NAMES
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-
-
-@dataclass(frozen=True)
-class HFModel:
-    """A `transformers` model built from a config (random weights, nothing downloaded):
-    the architecture of a real checkpoint at toy size, with what real models bring that
-    the course's GPT does not: layers under their own names (`model.transformer.h`,
-    `model.model.layers`), rotary buffers, grouped-query attention, a `ModelOutput`."""
-
-    family: str                       # "gpt2", "llama", "bert" or "mixtral"
-    config: tuple[tuple[str, object], ...]
-    freeze_embeddings: bool = False   # token embeddings frozen (requires_grad=False)
-
-
-# Dropout is off (each rank would draw its own masks) and the byte vocabulary is the
-# course's, so every rank computes exactly what one process computes.
-_GPT2 = (("n_layer", 2), ("n_head", 4), ("n_embd", 64), ("vocab_size", VOCAB_SIZE),
-         ("n_positions", 64), ("resid_pdrop", 0.0), ("embd_pdrop", 0.0),
-         ("attn_pdrop", 0.0), ("bos_token_id", 0), ("eos_token_id", 0))
-_LLAMA = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 176),
-          ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", VOCAB_SIZE),
-          ("max_position_embeddings", 64), ("bos_token_id", 0), ("eos_token_id", 0),
-          ("pad_token_id", 0))
-# BERT for masked LM ties its decoder to the word embeddings, which `_no_split_modules`
-# names as a layer (`BertEmbeddings`): the tie spans two would-be units. Trained here on
-# the same next-byte targets as the others (it sees the whole row: a test model, not a
-# language model).
-_BERT = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 128),
-         ("num_attention_heads", 4), ("vocab_size", VOCAB_SIZE),
-         ("max_position_embeddings", 64), ("hidden_dropout_prob", 0.0),
-         ("attention_probs_dropout_prob", 0.0), ("pad_token_id", 0))
-# A mixture-of-experts decoder: 4 experts, 2 per token; its router has 4 rows, which
-# FSDP2's dim-0 split cannot share evenly among 3 ranks.
-_MIXTRAL = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
-            ("num_attention_heads", 4), ("num_key_value_heads", 2),
-            ("num_local_experts", 4), ("num_experts_per_tok", 2), ("vocab_size", VOCAB_SIZE),
-            ("max_position_embeddings", 64), ("bos_token_id", 0), ("eos_token_id", 0),
-            ("pad_token_id", 0), ("tie_word_embeddings", True))
-HF_MODELS = {
-    "hf-gpt2": HFModel("gpt2", _GPT2),                       # tied embedding and head
-    "hf-gpt2-frozen-emb": HFModel("gpt2", _GPT2, freeze_embeddings=True),
-    "hf-llama": HFModel("llama", _LLAMA),                    # GQA: 4 query, 2 kv heads
-    "hf-llama-frozen-emb": HFModel("llama", _LLAMA, freeze_embeddings=True),
-    "hf-bert-mlm": HFModel("bert", _BERT),                   # decoder tied across layers
-    "hf-mixtral": HFModel("mixtral", _MIXTRAL),              # 4 experts, tied head
-}
-MODEL_NAMES = tuple(GPT_CONFIGS) + tuple(TOY_MODELS) + tuple(HF_MODELS)
 
 
 def hf_classes(family: str) -> tuple[type, type]:
@@ -253,7 +193,8 @@ def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
     known = config_class().to_dict()
     unknown = sorted(set(overrides or {}) - set(known))
     if unknown:  # a Hugging Face config keeps any keyword silently: refuse a typo here
-        raise ValueError(f"unknown {config_class.__name__} field(s) {unknown}")
+        raise ValueError(f"unknown {config_class.__name__} field(s) {unknown}"
+                         f"{did_you_mean(unknown[0], known)}")
     config = config_class(**{**dict(spec.config), **(overrides or {})}, use_cache=False)
     config._attn_implementation = "sdpa"
     model = model_class(config)
@@ -262,16 +203,34 @@ def build_hf_model(spec: HFModel, overrides: dict | None = None) -> nn.Module:
     return model
 
 
+def hf_spec(name: str) -> HFModel | None:
+    """The Hugging Face model a name builds: an hf-* model's; a published size's or a
+    config.json's (its path): the model of its family at that shape (`to_hf_config`);
+    None for the course's GPT and the toys. An unknown name is refused, naming the
+    nearest."""
+    if name in HF_MODELS:
+        return HF_MODELS[name]
+    if name in MODEL_NAMES:
+        return None
+    settings = to_hf_config(as_config(name))
+    return HFModel(settings.pop("model_type"), tuple(settings.items()))
+
+
 def build_model(name: str, seed: int = 0, config: dict | None = None) -> nn.Module:
     """The model `name` with weights drawn from `seed`: identical on every rank and run.
 
-    `config` changes the architecture's settings: the course GPT's fields
-    (`n_layer`, `d_model`, ...) or a Hugging Face config's (`n_layer`, `hidden_size`,
-    `num_key_value_heads`, ...), e.g. `build_model("hf-llama", config={"num_hidden_layers":
-    8})`. A spawned rank rebuilds the model from the name and this dict, so your own
-    size of a known architecture needs no code of yours in the ranks."""
+    `name`: one of the course's models (`MODEL_NAMES`), a published size the planner
+    counts (`gpt2-small`, `llama-2-7b`, ...: the Hugging Face model of its family at that
+    shape), or the path of a Hugging Face config.json. `config` changes the
+    architecture's settings: the course GPT's fields (`n_layer`, `d_model`, ...) or a
+    Hugging Face config's (`n_layer`, `hidden_size`, `num_key_value_heads`, ...), e.g.
+    `build_model("hf-llama", config={"num_hidden_layers": 8})`. A spawned rank rebuilds
+    the model from the name and this dict, so your own size of a known architecture
+    needs no code of yours in the ranks."""
     if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; use one of {list(MODEL_NAMES)}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build_hf_model(hf_spec(name), config)
     if config and name in TOY_MODELS:
         raise ValueError(f"the toy model {name!r} takes no config; use a gpt-* or hf-* model")
     with torch.random.fork_rng(devices=[]):
@@ -280,7 +239,8 @@ def build_model(name: str, seed: int = 0, config: dict | None = None) -> nn.Modu
             fields = {f.name for f in dataclasses.fields(GPTConfig)}
             unknown = sorted(set(config or {}) - fields)
             if unknown:
-                raise ValueError(f"unknown GPT config field(s) {unknown}; use {sorted(fields)}")
+                raise ValueError(f"unknown GPT config field(s) {unknown}"
+                                 f"{did_you_mean(unknown[0], fields)}; use {sorted(fields)}")
             return GPT(dataclasses.replace(GPT_CONFIGS[name], **(config or {})))
         if name in HF_MODELS:
             return build_hf_model(HF_MODELS[name], config)
@@ -302,7 +262,6 @@ def loss_fn(output, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
 
 
 # How a step's loss is averaged (TrainConfig.loss_mean).
-LOSS_MEANS = ("tokens", "per-batch")
 
 
 def check_loss_mean(loss_mean) -> str:
@@ -343,8 +302,8 @@ def longest_sequence(name: str, config: dict | None = None) -> int | None:
     longest = None
     if name in GPT_CONFIGS:
         longest = overrides.get("block_size", GPT_CONFIGS[name].block_size)
-    elif name in HF_MODELS:
-        settings = {**dict(HF_MODELS[name].config), **overrides}
+    elif name not in MODEL_NAMES or name in HF_MODELS:
+        settings = {**dict(hf_spec(name).config), **overrides}
         longest = next((settings[k] for k in ("n_positions", "max_position_embeddings")
                         if k in settings), None)
     # a setting that is not a whole number is the model's to refuse, by its name

@@ -110,6 +110,10 @@ class RunReport:
     matmul_flops: float = 0.0
     # each step's global gradient norm before clipping (TrainConfig.clip_norm; [] without)
     grad_norms: list[float] = field(default_factory=list)
+    # the units the wrap policy made, for a strategy that takes units (`wrap.describe`)
+    units: str | None = None
+    # the checkpoint folder the run resumed from (None: it started from step 0)
+    resumed_from: str | None = None
 
 
 def ledger_totals(report: RunReport) -> dict[str, float]:
@@ -409,6 +413,21 @@ def summary_table(reports: list[RunReport]) -> str:
     if crossings:
         lines += ["", "memory limit crossed in " + "; ".join(crossings)]
     return "\n".join(lines)
+
+
+# What each column of `summary_table` means, printed under it by the command line; chapter 8
+# ("Debugging a sharded run") measures each.
+TABLE_LEGEND = """\
+loss: the global batch's loss at the last step (the progress bar shows rank 0's rows'
+only). params, grads, optim MiB: the model states this rank holds after the last step;
+peak MiB: that step's peak; sent MiB/step, colls/step: bytes sent and collectives called
+per step (the ledger). Medians over the steady steps: tokens/s, this rank's; MFU %: model
+FLOP/s over the GPU's datasheet peak ("-" on a CPU); mm-util %: over the matmul rate
+measured at the start; AG, RS, AR ms: time in flight of all-gathers, reduce-scatters,
+all-reduces; exposed: ms the loop waited on communication; overlap%: the share of it hidden
+behind compute; idle ms: the part of exposed spent waiting for another rank to arrive;
+alloc, rsrvd MiB: the CUDA allocator's peaks; save s, load s: checkpoint times. Chapter 8,
+"Debugging a sharded run", measures each."""
 
 
 def whereabouts_lines(reports: list[RunReport]) -> str:

@@ -44,6 +44,7 @@ from shardlab.optimizers import OptimizerSpec, build_optimizer, inner_optimizer
 # Lab 10 still imports `optimizer_spec` from here; it is defined in `shardlab.optimizers`.
 from shardlab.optimizers import optimizer_spec  # noqa: F401
 from shardlab.precision import Precision
+from shardlab.vocabulary import did_you_mean
 
 # ----------------------------------------------------------------------------- the layout
 
@@ -230,7 +231,8 @@ def check_options(strategy: str, options: dict, accepted: dict[str, Any]) -> dic
     options, or raise naming the accepted ones."""
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"strategy {strategy!r} got unknown option(s) {unknown}; it accepts "
+        raise ValueError(f"strategy {strategy!r} got unknown option(s) {unknown}"
+                         f"{did_you_mean(unknown[0], accepted)}; it accepts "
                          f"{sorted(accepted) if accepted else 'no options'}")
     return {**accepted, **options}
 

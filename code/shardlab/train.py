@@ -60,7 +60,7 @@ from shardlab.report import median_step_time  # noqa: F401
 from shardlab.step import train_step
 from shardlab.steptime import datasheet_peak, matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters
-from shardlab.wrap import recompute_units
+from shardlab.wrap import describe, recompute_units
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -75,20 +75,23 @@ def train_worker(config: TrainConfig, progress: str | None = None,
 
 
 def train_rank(config: TrainConfig, progress: str | None = None,
-               flight: str | None = None) -> RunReport:
+               flight: str | None = None, with_loss: bool = True) -> RunReport:
     """One rank's run: build, wrap, train `config.steps` steps, report. Runs inside a
-    process group (the launcher's or torchrun's), or alone as world 1. `flight`: a folder
-    for this rank's flight recorder (`shardlab.comm.flight`), read if the launch hangs."""
+    process group (the launcher's or torchrun's), or alone as world 1. `progress`: rank
+    0's progress ("tqdm", or a file it appends each finished step to, `with_loss` or
+    not: `progress_shown`). `flight`: a folder for this rank's flight recorder
+    (`shardlab.comm.flight`), read if the launch hangs."""
     rank, world = rank_and_world(config)
     device = rank_device()
-    wrapped, psi, rate, tokens = build_and_wrap(config, world, device)
+    wrapped, psi, rate, tokens, units = build_and_wrap(config, world, device)
     checkpoints = Checkpoints(config, wrapped)
     first_step = checkpoints.resume()
     faults = RehearsedFaults(config, rank)
     measured = Measurement(config, wrapped, first_step, rank, device, flight)
     local_losses = []
     with measured, simulated_network(config.simulated_network), \
-            progress_shown(progress if rank == 0 else None, config.steps - first_step) as show:
+            progress_shown(progress if rank == 0 else None, config.steps - first_step,
+                           with_loss) as show:
         for step in range(first_step, config.steps):
             faults.crash_if_due(step)
             with measured.step(step) as watch:
@@ -121,7 +124,9 @@ def train_rank(config: TrainConfig, progress: str | None = None,
                      local_world=here.local_world,
                      model_flops_per_step=6 * psi * tokens, matmul_flops=rate,
                      peak_flops=datasheet_peak(device, precision.param_dtype) or 0.0,
-                     grad_norms=list(wrapped.clip.norms) if wrapped.clip is not None else [])
+                     grad_norms=list(wrapped.clip.norms) if wrapped.clip is not None else [],
+                     units=units,
+                     resumed_from=str(checkpoints.folder) if checkpoints.folder else None)
 
 
 def train_many(configs: list[TrainConfig]) -> list[RunReport]:
@@ -146,9 +151,12 @@ def rank_and_world(config: TrainConfig) -> tuple[int, int]:
 
 
 def build_and_wrap(config: TrainConfig, world: int, device: torch.device
-                   ) -> tuple[Wrapped, int, float, int]:
-    """The model wrapped for the strategy, and what MFU needs: Ψ (trainable parameters),
-    the rate of the model's own matmuls on this rank, and this rank's tokens a step."""
+                   ) -> tuple[Wrapped, int, float, int, str | None]:
+    """The model wrapped for the strategy, what MFU needs (Ψ, the trainable parameters;
+    the rate of the model's own matmuls on this rank; this rank's tokens a step), and for
+    a strategy that takes units, which units its wrap policy made (`shardlab.wrap.describe`)."""
+    takes_units = card(config.strategy).takes_units
+    policy = config.options.get("wrap", "auto")
     torch.manual_seed(config.seed)
     precision = get_precision(config.precision)
     before_wrap = recompute_units if config.recompute else None  # hooks run inside it
@@ -161,6 +169,7 @@ def build_and_wrap(config: TrainConfig, world: int, device: torch.device
         # matmul utilization's denominator: milliseconds of the model's own matmuls,
         # every rank at once (MFU's is the GPU's datasheet peak)
         rate = matmul_rate(shapes, tokens // config.grad_accum, device=device)
+        units = describe(shapes, policy) if takes_units else None
         wrapped = wrap_on_meta(config.model, config.model_config, config.strategy,
                                precision, spec, config.options, device, config.init_from,
                                before_wrap=before_wrap)
@@ -168,11 +177,12 @@ def build_and_wrap(config: TrainConfig, world: int, device: torch.device
         model = build_model(config.model, config.seed, config.model_config).to(device)
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         rate = matmul_rate(model, tokens // config.grad_accum, device=device)
+        units = describe(model, policy) if takes_units else None
         if before_wrap is not None:
             before_wrap(model)
         wrapped = get_strategy(config.strategy)(model, precision, spec,
                                                 dict(config.options))
-    return wrapped, psi, rate, tokens
+    return wrapped, psi, rate, tokens, units
 
 
 class MicroBatches(Sequence):
@@ -255,10 +265,10 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
     if under_torchrun():  # no folder that every node sees: no flight recorder
         return launch(train_rank, config.world, config, "tqdm" if progress else None,
                       **where)
-    if not progress:
-        return launch(train_rank, config.world, config, None, flight, **where)
-    # a launch's folder, named as the launcher names its own: if this process is killed,
-    # the launch's reaper removes it (and, failing that, the next launch)
+    # Rank 0 appends each finished step to a file here: the bar is drawn from it, and a
+    # run stopped by Ctrl-C or SIGTERM says which step it reached (`steps_done` on the
+    # exception). The folder is named as the launcher names its own: if this process is
+    # killed, the launch's reaper removes it (and, failing that, the next launch).
     with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as tmp, \
             reaped_with_launches(tmp):
         (Path(tmp) / OWNER).write_text(str(os.getpid()))
@@ -267,12 +277,19 @@ def _launch_workers(config: TrainConfig, backend: str, device: str, timeout: flo
         done = threading.Event()
         watcher = threading.Thread(target=_draw_progress, args=(path, config.steps, done),
                                    daemon=True)
-        watcher.start()
+        if progress:
+            watcher.start()
         try:
-            return launch(train_rank, config.world, config, str(path), flight, **where)
+            return launch(train_rank, config.world, config, str(path), flight, progress,
+                          **where)
+        except (KeyboardInterrupt, SystemExit) as stopped:
+            lines = path.read_text().splitlines()
+            stopped.steps_done = int(lines[-1].split()[0]) + 1 if lines else None
+            raise
         finally:
             done.set()
-            watcher.join()
+            if progress:
+                watcher.join()
 
 
 def _draw_progress(path: Path, steps: int, done: threading.Event) -> None:
@@ -283,7 +300,8 @@ def _draw_progress(path: Path, steps: int, done: threading.Event) -> None:
             finished = done.is_set()
             lines = path.read_text().splitlines()
             for line in lines[seen:]:
-                bar.set_postfix({"loss on rank 0": f"{float(line.split()[1]):.4f}"})
+                # rank 0's rows only: the table's loss is the global batch's
+                bar.set_postfix({"loss (rank 0's rows)": f"{float(line.split()[1]):.4f}"})
                 bar.update(1)
             seen = len(lines)
             if finished:

@@ -9,7 +9,12 @@ does this module, for both of the course's sharded strategies:
 
     "auto"                      the model's layers if it declares them (the course's GPT:
                                 `.blocks`; a Hugging Face model: the classes it lists
-                                in `_no_split_modules`), else the whole model as one unit
+                                in `_no_split_modules`); else the members of its largest
+                                list of layers of one class (an `nn.ModuleList` or
+                                `nn.Sequential`); else, as `size_based_auto_wrap_policy`,
+                                every module of at least a tenth of the model (and
+                                2^16 parameters); else, a model too small for units to
+                                matter, the whole model as one unit (`auto_policy`)
     "blocks" / "model"          each of `model.blocks` / one unit
     "class:GPT2Block,Linear"    every module of one of these classes (names or classes)
     "min-params:100000"         every module holding at least this many parameters that
@@ -104,14 +109,57 @@ def _parse(model: nn.Module, policy: str) -> Any:
     raise ValueError(f"unknown wrap policy {policy!r}; {WRAP_HELP}")
 
 
+# "auto"'s size rule: a module becomes a unit from a tenth of the model's parameters, and
+# never under 2^16 of them. A unit is one more all-gather in every forward and backward; one
+# under 2^16 parameters would save less than 256 KiB of fp32 at the peak.
+AUTO_SHARE = 10
+AUTO_MIN_PARAMS = 2 ** 16
+
+
+def _repeated_layers(model: nn.Module) -> list[nn.Module]:
+    """The members of the model's largest list of layers: among its `nn.ModuleList`s and
+    `nn.Sequential`s (the model itself too), the one whose members that hold parameters
+    are at least two of one class, and hold the most parameters."""
+    best: list[nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        members = [m for m in module.children() if any(True for _ in m.parameters())]
+        if len(members) < 2 or len({type(m) for m in members}) != 1:
+            continue
+        size = sum(p.numel() for m in members for p in m.parameters())
+        if size > best_size:
+            best, best_size = members, size
+    return best
+
+
+def auto_policy(model: nn.Module) -> tuple[Any, str]:
+    """What "auto" means for this model, and why, in words for a report: its declared
+    layers, else its largest list of layers of one class, else every module of at least a
+    tenth of it (and `AUTO_MIN_PARAMS`), else (a model that small) the whole model."""
+    if hasattr(model, "blocks"):
+        return "blocks", "its .blocks"
+    classes = layer_classes(model)
+    if classes:
+        return tuple(classes), "the layers its _no_split_modules names"
+    layers = _repeated_layers(model)
+    if layers:
+        ids = {id(m) for m in layers}
+        return (lambda m: id(m) in ids,
+                f"its list of {len(layers)} {type(layers[0]).__name__} layers")
+    psi = sum(p.numel() for p in model.parameters())
+    least = max(-(-psi // AUTO_SHARE), AUTO_MIN_PARAMS)
+    if _min_params_units(model, least):
+        return least, f"every module of at least {least:,} parameters (min-params:{least})"
+    return "model", (f"one unit: no declared layers, and no module of {AUTO_MIN_PARAMS:,} "
+                     f"parameters or more")
+
+
 def chosen_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
     """The modules a policy picks (not yet ordered, the model possibly among them)."""
-    if policy == "auto":
-        if hasattr(model, "blocks"):
-            policy = "blocks"
-        else:
-            classes = layer_classes(model)
-            policy = tuple(classes) if classes else "model"
+    if isinstance(policy, str) and policy == "auto":
+        policy, _ = auto_policy(model)
     if policy == "blocks":
         blocks = getattr(model, "blocks", None)
         if blocks is None:
@@ -239,12 +287,17 @@ def recompute_units(model: nn.Module, policy: Any = "auto") -> list[nn.Module]:
 
 
 def describe(model: nn.Module, policy: Any) -> str:
-    """One line for a report: how many units, of which classes."""
+    """One line for a report: how many units, of which classes, and for "auto" which of
+    its rules chose them."""
     units = unit_modules(model, policy)
     kinds: dict[str, int] = {}
     for m in units[:-1]:
         kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
     inner = ", ".join(f"{n} x {c}" for c, n in kinds.items())
-    return f"{len(units)} units: {inner + ' + ' if inner else ''}the root"
+    line = f"{len(units)} unit{'s' if len(units) > 1 else ''}: " \
+           f"{inner + ' + ' if inner else ''}the root"
+    if isinstance(policy, str) and policy == "auto":
+        line += f" (auto: {auto_policy(model)[1]})"
+    return line
 
 

@@ -17,12 +17,13 @@ a `fully_shard` model (`get_state_dict`, `dcp.load`, `set_state_dict`) or into o
 from shardlab.checkpoint.export import (export_full_state_dict, files_per_rank,
                                         open_with_pytorch_fsdp2, timed_save_load)
 from shardlab.checkpoint.layout import boxes, ensure_optimizer_state, state_dict
-from shardlab.checkpoint.store import (MARKER, TMP_SUFFIX, clean_interrupted, info,
-                                       is_complete, latest, load, save, step_folder)
+from shardlab.checkpoint.store import (MARKER, TMP_SUFFIX, clean_interrupted,
+                                       complete_steps, info, is_complete, latest, load,
+                                       save, step_folder)
 from shardlab.checkpoint.lock import FolderInUse, writer_lock
 from shardlab.manifest import CheckpointError
 
-__all__ = ["save", "load", "latest", "is_complete", "info", "step_folder",
+__all__ = ["save", "load", "latest", "is_complete", "complete_steps", "info", "step_folder",
            "clean_interrupted", "export_full_state_dict", "files_per_rank",
            "timed_save_load", "open_with_pytorch_fsdp2", "boxes", "state_dict",
            "CheckpointError", "MARKER", "TMP_SUFFIX", "ensure_optimizer_state",

@@ -69,6 +69,14 @@ def _steps_newest_first(root: Path) -> list[Path]:
     return sorted(steps, key=lambda f: int(f.name.split("-", 1)[1]), reverse=True)
 
 
+def complete_steps(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoint folders under `root`, oldest first (not verified: `latest`
+    reads their files' hashes); [] for a folder that holds none, or no folder."""
+    root = Path(root)
+    return [f for f in reversed(_steps_newest_first(root)) if is_complete(f)] \
+        if root.is_dir() else []
+
+
 def _check_complete(folder: Path) -> None:
     missing = _missing_files(folder)
     if missing:

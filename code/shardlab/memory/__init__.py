@@ -20,7 +20,8 @@ from shardlab.memory.allocator import (CUDA_BLOCK, CUDA_LARGE_ROUND, CUDA_MID,
                                        CUDA_MID_SEGMENT, CUDA_SMALL, CUDA_SMALL_SEGMENT,
                                        cuda_block_bytes, cuda_segment_bytes)
 from shardlab.memory.configs import (MODELS, ModelConfig, as_config, from_hf_config,
-                                     get_model, num_params, read_config_json)
+                                     get_model, model_names, num_params, read_config_json,
+                                     to_hf_config)
 from shardlab.memory.dim0 import (dim0_states, dim0_states_per_rank, parameter_shapes,
                                    rows_of, shard_elements)
 from shardlab.memory.planner import (PlanRow, bucket_bytes, ddp_bucket_copy_bytes,
@@ -39,7 +40,7 @@ __all__ = [
     "check_precision", "check_optimizer", "check_positive", "check_world", "check_stage",
     "check_choice", "bytes_per_param", "shard_numel", "model_states", "largest_model",
     "offloaded_states", "ModelConfig", "MODELS", "get_model", "num_params", "as_config",
-    "from_hf_config", "read_config_json",
+    "from_hf_config", "read_config_json", "to_hf_config", "model_names",
     "CHECKPOINTING", "ATTENTION", "layer_activations", "Activations", "activations",
     "activation_bytes", "gathered_unit_bytes", "gathered_bytes", "bucket_bytes",
     "ddp_bucket_copy_bytes", "PlanRow",

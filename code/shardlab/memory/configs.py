@@ -8,10 +8,14 @@ only its Ψ.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardlab.vocabulary import (GPT_CONFIGS, HF_MODELS, MODEL_NAMES, TOY_NAMES,
+                                 did_you_mean, is_config_path)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,16 @@ class ModelConfig:
     positions: int = 0  # learned position embeddings (GPT-2 only)
     experts: int = 1  # MLP experts per layer (1: a dense MLP)
     top_k: int = 1  # experts each token is routed to
+    # The longest sequence it was trained on (max_position_embeddings; GPT-2's is its
+    # `positions`): the planner's sequence length unless it is given one.
+    context: int = 0
+    # Dropout after attention and after the MLP (it keeps masks for backward). None: the
+    # style's (GPT-2 and GPT-3 train with it, Llama without).
+    dropout: bool | None = None
+
+    def __post_init__(self):
+        if self.dropout is None:
+            object.__setattr__(self, "dropout", self.style == "gpt2")
 
     @property
     def kv_dim(self) -> int:
@@ -49,8 +63,8 @@ class ModelConfig:
         return "gelu" if self.style == "gpt2" else "swiglu"
 
     @property
-    def dropout(self) -> bool:
-        return self.style == "gpt2"
+    def longest_sequence(self) -> int | None:
+        return self.context or self.positions or None
 
     def expert_params(self) -> int:
         """Parameters of one MLP expert (of the dense MLP when experts == 1)."""
@@ -111,9 +125,9 @@ def _gpt2(name, layers, hidden, heads):
                        tied=True, positions=1024)
 
 
-def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, experts=1, top_k=1):
+def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, context, experts=1, top_k=1):
     return ModelConfig(name, "llama", layers, hidden, heads, kv_heads, ffn, vocab, tied=False,
-                       experts=experts, top_k=top_k)
+                       experts=experts, top_k=top_k, context=context)
 
 
 # Configurations as published with the models (Hugging Face config.json files).
@@ -125,19 +139,50 @@ MODELS: dict[str, ModelConfig] = {c.name: c for c in [
     # GPT-3 175B (Brown et al., 2020, table 2.1): the layer Korthikanti et al. count
     ModelConfig("gpt3-175b", "gpt2", 96, 12288, 96, 96, 4 * 12288, 50257, tied=True,
                 positions=2048),
-    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
-    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
-    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
-    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256),
-    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256),
-    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2),
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, experts=8, top_k=2),
 ]}
 
 
-def get_model(name: str) -> ModelConfig:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
-    return MODELS[name]
+def model_names() -> tuple[str, ...]:
+    """Every model name `python -m shardlab memory` and `train` accept: the course's
+    (`shardlab.vocabulary.MODEL_NAMES`), then the published sizes. (A Hugging Face
+    config.json, by its path, is accepted too.)"""
+    return MODEL_NAMES + tuple(MODELS)
+
+
+def get_model(name: str, overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig of a model name: a published size, or a model the course builds
+    (the course's GPT and the hf-* architectures, with `overrides` of their settings as
+    `--model-config` gives them). The toys are no transformers: refused."""
+    if name in MODELS and not overrides:
+        return MODELS[name]
+    if name in GPT_CONFIGS:
+        fields = {f.name for f in dataclasses.fields(GPT_CONFIGS[name])}
+        unknown = sorted(set(overrides or {}) - fields)
+        if unknown:
+            raise ValueError(f"unknown GPT config field(s) {unknown}; use {sorted(fields)}")
+        cfg = dataclasses.replace(GPT_CONFIGS[name], **(overrides or {}))
+        # the course's GPT is GPT-2's layer without dropout, its head tied
+        return ModelConfig(name, "gpt2", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_head,
+                           4 * cfg.d_model, cfg.vocab_size, tied=True,
+                           positions=cfg.block_size, dropout=False)
+    if name in HF_MODELS:
+        spec = HF_MODELS[name]
+        return from_hf_config({"model_type": spec.family, **dict(spec.config),
+                               **(overrides or {})}, name)
+    if name in MODELS:
+        settings = {**to_hf_config(MODELS[name]), **overrides}
+        return from_hf_config(settings, name)
+    if name in TOY_NAMES:
+        raise ValueError(f"{name!r} is a toy of a few layers, not a transformer the planner "
+                         f"counts; plan gpt-tiny, an hf-* model or a published size")
+    raise ValueError(f"unknown model {name!r}{did_you_mean(name, model_names())}; use one "
+                     f"of {', '.join(model_names())}, or the path of a config.json")
 
 
 def num_params(model: str | ModelConfig) -> int:
@@ -178,11 +223,13 @@ def from_hf_config(settings: dict, name: str = "config.json") -> ModelConfig:
     try:
         if kind == "gpt2":
             hidden = settings["n_embd"]
+            # GPT2Config's dropouts are 0.1 unless the config says otherwise
+            dropout = any(settings.get(k, 0.1) for k in ("resid_pdrop", "attn_pdrop"))
             return ModelConfig(name, "gpt2", settings["n_layer"], hidden, settings["n_head"],
                                settings["n_head"], settings.get("n_inner") or 4 * hidden,
                                settings["vocab_size"],
                                tied=settings.get("tie_word_embeddings", True),
-                               positions=settings["n_positions"])
+                               positions=settings["n_positions"], dropout=bool(dropout))
         heads = settings["num_attention_heads"]
         return ModelConfig(name, "llama", settings["num_hidden_layers"],
                            settings["hidden_size"], heads,
@@ -190,27 +237,52 @@ def from_hf_config(settings: dict, name: str = "config.json") -> ModelConfig:
                            settings["intermediate_size"], settings["vocab_size"],
                            tied=bool(settings.get("tie_word_embeddings", False)),
                            experts=settings.get("num_local_experts", 1),
-                           top_k=settings.get("num_experts_per_tok", 1))
+                           top_k=settings.get("num_experts_per_tok", 1),
+                           context=settings.get("max_position_embeddings") or 0)
     except KeyError as exc:
         raise ValueError(f"{name} ({kind}) has no {exc.args[0]!r}: not a complete model "
                          f"config") from None
 
 
-def as_config(model) -> ModelConfig:
-    """A ModelConfig from what a reader has: a preset's name, a ModelConfig, the path of
-    a Hugging Face config.json (or its folder), its dict, a `transformers` config, or a
-    model that carries one (`model.config`, as every `transformers` model does)."""
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """The Hugging Face config of a ModelConfig's shape (`from_hf_config`'s inverse, its
+    `model_type` included): what the trainer builds for a published size. The vocabulary
+    is the model's own; the training data's bytes are tokens 0-255 of it."""
+    if cfg.style == "gpt2":
+        drop = 0.1 if cfg.dropout else 0.0
+        return {"model_type": "gpt2", "n_layer": cfg.layers, "n_embd": cfg.hidden,
+                "n_head": cfg.heads, "n_inner": cfg.ffn, "vocab_size": cfg.vocab,
+                "n_positions": cfg.positions, "tie_word_embeddings": cfg.tied,
+                "resid_pdrop": drop, "embd_pdrop": drop, "attn_pdrop": drop}
+    settings = {"model_type": "mixtral" if cfg.experts > 1 else "llama",
+                "num_hidden_layers": cfg.layers, "hidden_size": cfg.hidden,
+                "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+                "intermediate_size": cfg.ffn, "vocab_size": cfg.vocab,
+                "tie_word_embeddings": cfg.tied}
+    if cfg.context:
+        settings["max_position_embeddings"] = cfg.context
+    if cfg.experts > 1:
+        settings.update(num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
+    return settings
+
+
+def as_config(model, overrides: dict | None = None) -> ModelConfig:
+    """A ModelConfig from what a reader has: a model's name (a published size, or one the
+    course trains: `model_names()`), a ModelConfig, the path of a Hugging Face config.json
+    (or its folder), its dict, a `transformers` config, or a model that carries one
+    (`model.config`, as every `transformers` model does). `overrides`: settings that
+    change a named or read config (`--model-config`)."""
     if isinstance(model, ModelConfig):
         return model
-    if isinstance(model, str) and model in MODELS:
-        return MODELS[model]
+    if isinstance(model, str) and model in model_names():
+        return get_model(model, overrides)
     if isinstance(model, (str, os.PathLike)):
-        if isinstance(model, str) and not model.endswith(".json") \
-                and not Path(model).exists():
-            return get_model(model)  # an unknown preset: refused by its name
-        return from_hf_config(read_config_json(model), Path(model).name)
+        if isinstance(model, str) and not is_config_path(model):
+            return get_model(model)  # an unknown name: refused by its name
+        return from_hf_config({**read_config_json(model), **(overrides or {})},
+                              Path(model).name)
     if isinstance(model, dict):
-        return from_hf_config(model)
+        return from_hf_config({**model, **(overrides or {})})
     config = getattr(model, "config", model)
     if hasattr(config, "to_dict"):
         return from_hf_config(config.to_dict(), type(config).__name__)

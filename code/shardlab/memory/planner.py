@@ -9,7 +9,6 @@ own because it is the one place that combines them, and the command line that pr
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -148,14 +147,25 @@ def parse_bytes(text: str) -> int:
 
 
 def format_bytes(n: float, unit: str = "GB") -> str:
-    return f"{n / {'GB': GB, 'GiB': GiB}[unit]:,.2f} {unit}"
+    return f"{n / UNITS[unit]:,.2f} {unit}"
+
+
+# The units a table may be printed in: GB (10^9, the ZeRO paper's) for real models, MiB and
+# KiB (what `train` reports and a device counts) for the small ones a CPU trains.
+UNITS = {"GB": GB, "GiB": GiB, "MiB": 2**20, "KiB": 2**10}
+
+
+def unit_for(nbytes: float) -> str:
+    """The unit that prints `nbytes` (a table's largest figure) with digits that mean
+    something: GB from 1 GB, MiB from 1 MiB, else KiB."""
+    return "GB" if nbytes >= GB else "MiB" if nbytes >= 2**20 else "KiB"
 
 
 def table(psi, world: int, precision: str, optimizer: str, unit: str = "GB") -> list[str]:
     head = f"{'stage':<18}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
     lines = [head, "-" * len(head)]
     names = ["0 (DDP)", "1 (Pos)", "2 (Pos+g)", "3 (Pos+g+p)"]
-    div = {"GB": GB, "GiB": GiB}[unit]
+    div = UNITS[unit]
     for stage in STAGES:
         b = model_states(psi, world, stage, precision, optimizer)
         lines.append(f"{names[stage]:<18}" + "".join(
@@ -163,27 +173,47 @@ def table(psi, world: int, precision: str, optimizer: str, unit: str = "GB") -> 
     return lines
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shardlab memory",
-                                description="Per-rank memory of every ZeRO stage, and what fits.")
-    p.add_argument("--model", required=True,
-                   help=f"a preset ({', '.join(MODELS)}) or the path of a Hugging Face "
-                        f"config.json (or its folder)")
-    p.add_argument("--gpus", type=int, required=True, help="N, the data-parallel ranks")
+def build_parser():
+    from shardlab.arguments import Parser, key_value
+    from shardlab.memory.configs import model_names
+    p = Parser(prog="python -m shardlab memory",
+               description="Per-rank memory of every ZeRO stage, and what fits. The same "
+                           "model names as python -m shardlab train, so that a run can be "
+                           "predicted, then measured.")
+    p.add_argument("--model", required=True, metavar="NAME",
+                   help=f"a model name ({', '.join(model_names())}) or the path of a "
+                        f"Hugging Face config.json (or its folder)")
+    p.add_argument("--model-config", action="append", type=key_value, default=[],
+                   metavar="KEY=VALUE", help="a setting of the model's architecture, as "
+                                             "train takes it, e.g. n_layer=12 (repeatable)")
+    p.add_argument("--gpus", "--world", dest="gpus", type=int, required=True, metavar="N",
+                   help="N, the data-parallel ranks")
     p.add_argument("--gpu-memory", default="80GB", help="per GPU, e.g. 80GB or 80GiB")
     p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=None,
+                   metavar="TOKENS", help="tokens per row (default: the longest the model "
+                                          "takes, its config's max_position_embeddings or "
+                                          "n_positions)")
     p.add_argument("--attention", default="sdpa", choices=list(ATTENTION),
                    help="sdpa: a fused kernel that keeps no s x s scores (FlashAttention); "
                         "eager: the scores are stored")
+    return p
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(None if argv is None else list(argv))
     try:
         memory = parse_bytes(args.gpu_memory)
         check_world(args.gpus)
-        cfg = as_config(args.model)
-        rows = plan(cfg, memory, args.gpus, args.batch, args.seq, args.precision, args.optimizer,
+        cfg = as_config(args.model, dict(args.model_config) or None)
+        seq = args.seq_len or cfg.longest_sequence
+        if seq is None:
+            raise ValueError(f"{cfg.name} says no longest sequence "
+                             f"(max_position_embeddings); give --seq-len")
+        rows = plan(cfg, memory, args.gpus, args.batch, seq, args.precision, args.optimizer,
                     attention=args.attention)
     except ValueError as exc:
         p.error(str(exc))
@@ -192,18 +222,22 @@ def main(argv: Iterable[str] | None = None) -> int:
     print(f"{cfg.name}: psi = {psi:,} parameters; {args.precision} {args.optimizer}: "
           f"{per.params:g} + {per.grads:g} + K={per.optimizer:g} bytes per parameter; "
           f"N = {args.gpus}")
-    print("\nModel states per rank (GB = 10^9 bytes):")
-    print("\n".join(table(psi, args.gpus, args.precision, args.optimizer)))
+    unit = unit_for(max(r.total for r in rows))
+    div, said = UNITS[unit], {"GB": "GB = 10^9 bytes", "MiB": "MiB = 2^20 bytes",
+                              "KiB": "KiB = 2^10 bytes"}[unit]
+    print(f"\nModel states per rank ({said}):")
+    print("\n".join(table(psi, args.gpus, args.precision, args.optimizer, unit)))
+    whose = "--seq-len" if args.seq_len else "the longest the model takes"
     print(f"\nWhat fits in {format_bytes(memory)} ({format_bytes(memory, 'GiB')}) per GPU, "
-          f"micro-batch {args.batch} x {args.seq} tokens, {args.attention} attention "
-          f"(GB; host = model states in CPU memory):")
+          f"micro-batch {args.batch} x {seq:,} tokens ({whose}), {args.attention} attention "
+          f"({unit}; host = model states in CPU memory):")
     print(f"{'stage':<7}{'recompute':<11}{'offload':<18}{'states':>9}{'activ.':>9}"
           f"{'gathered':>10}{'buckets':>9}{'total':>9}{'host':>9}  fits")
     for r in rows:
         print(f"{r.stage:<7}{r.checkpointing:<11}{r.offload:<18}"
-              f"{r.states.total / GB:>9,.1f}{r.activations / GB:>9,.1f}"
-              f"{r.gathered / GB:>10,.2f}{r.buckets / GB:>9,.1f}{r.total / GB:>9,.1f}"
-              f"{r.host.total / GB:>9,.1f}  {'yes' if r.fits else 'no'}")
+              f"{r.states.total / div:>9,.1f}{r.activations / div:>9,.1f}"
+              f"{r.gathered / div:>10,.2f}{r.buckets / div:>9,.1f}{r.total / div:>9,.1f}"
+              f"{r.host.total / div:>9,.1f}  {'yes' if r.fits else 'no'}")
     print("(buckets: PyTorch DDP's copy of the gradients in its all-reduce buckets, "
           "gradient_as_bucket_view=False, its default)")
     print(f"\nLargest model whose states alone fit ({args.gpus} GPUs, {format_bytes(memory)}):")
