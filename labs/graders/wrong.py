@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -338,36 +339,72 @@ FSDP_UNIT = [
 ]
 
 
-# --- checkpoint (lab 7): each rank saves and loads its own shard ---------------------------
-
-def save_rank0_only(shard, folder):
-    """One file, written by rank 0 only: every other rank's shard is lost."""
-    os.makedirs(folder, exist_ok=True)
-    if dist.get_rank() == 0:
-        torch.save(shard, os.path.join(folder, "model.pt"))
-
-
-def load_the_one_file(folder):
-    return torch.load(os.path.join(folder, "model.pt"), weights_only=True)
-
+# --- checkpoint (lab 7): saved on 2 ranks, loaded on 3 ----------------------------------
+# save_sharded(shard, folder), shard = {name: (rows, start, shape)};
+# load_sharded(folder, wanted), wanted = {name: (start, stop)} -> {name: rows}
 
 def save_own_file(shard, folder):
+    """One file per rank, named after the rank, holding its rows (and nothing about where
+    they sit in the tensor)."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save({name: rows for name, (rows, _, _) in shard.items()},
+               os.path.join(folder, f"rank{dist.get_rank()}.pt"))
+
+
+def load_own_file(folder, wanted):
+    """Reads the file of the saving rank with this rank's number: right only on as many
+    ranks as saved."""
+    return torch.load(os.path.join(folder, f"rank{dist.get_rank()}.pt"), weights_only=True)
+
+
+def save_rank0_only(shard, folder):
+    """Rank 0 writes its rows, believing them the whole tensor; the others write nothing."""
+    os.makedirs(folder, exist_ok=True)
+    if dist.get_rank() == 0:
+        torch.save({name: rows for name, (rows, _, _) in shard.items()},
+                   os.path.join(folder, "model.pt"))
+
+
+def load_rows_of_the_one_file(folder, wanted):
+    saved = torch.load(os.path.join(folder, "model.pt"), weights_only=True)
+    return {name: saved[name][start:stop].clone() for name, (start, stop) in wanted.items()}
+
+
+def save_pieces(shard, folder):
+    """The right save: each rank's rows with their start and the tensor's shape."""
     os.makedirs(folder, exist_ok=True)
     torch.save(shard, os.path.join(folder, f"rank{dist.get_rank()}.pt"))
 
 
-def load_next_rank_file(folder):
-    """Loads the file of rank r+1."""
-    rank = (dist.get_rank() + 1) % dist.get_world_size()
-    return torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True)
+def load_first_overlapping_piece(folder, wanted):
+    """Copies each tensor's rows from the first saved piece that overlaps them and stops:
+    rows that span two pieces keep zeros where the second piece's rows belong."""
+    pieces = [torch.load(path, weights_only=True) for path in sorted(Path(folder).glob("*.pt"))]
+    out = {}
+    for name, (start, stop) in wanted.items():
+        rows0, _, shape = pieces[0][name]
+        out[name] = torch.zeros(stop - start, *shape[1:], dtype=rows0.dtype)
+        for piece in pieces:
+            rows, first, _ = piece[name]
+            a, b = max(start, first), min(stop, first + rows.shape[0])
+            if a < b:
+                out[name][a - start:b - start] = rows[a - first:b - first]
+                break
+    return out
 
 
 CHECKPOINT = [
-    Mistake((save_rank0_only, load_the_one_file),
-            "looks like every rank read back rank 0's shard: only rank 0's tensors reached the "
-            "folder (each rank writes its own file, named after its rank)"),
-    Mistake((save_own_file, load_next_rank_file),
-            "looks like rank r read back rank r+1's shard: load the file of this rank"),
+    Mistake((save_own_file, load_own_file),
+            "looks like each rank read back the file of the saving rank with its number: on 3 "
+            "ranks a rank's rows are not saving rank r's; save each rank's rows with their start "
+            "and the tensor's shape, and read the rows you are asked for from the pieces that "
+            "hold them"),
+    Mistake((save_rank0_only, load_rows_of_the_one_file),
+            "looks like only rank 0's rows reached the folder: every saving rank writes its own "
+            "rows (a sharded save gathers nothing)"),
+    Mistake((save_pieces, load_first_overlapping_piece),
+            "looks like rows that span two saved pieces came from the first piece only: a new "
+            "rank's rows can overlap several old ranks' pieces; copy from each one"),
 ]
 
 
