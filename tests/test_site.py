@@ -173,7 +173,13 @@ BROKEN = {
     "missing-notebook.html": "<html><body><a href='nowhere.ipynb'>.ipynb</a></body></html>",
     "escaped-underscore.html": "<html><body><p>reshard\\_after\\_forward</p></body></html>",
     "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p>"
-                 "<img src='sharp.png'></body></html>",
+                 "<img src='sharp.png'><details class='sd-dropdown'><summary>Answer</summary>"
+                 "<p>folded</p></details></body></html>",
+    # an aside printed at full weight: a dropdown left open, an admonition that shows its body
+    "open-aside.html": "<html><body><details class='sd-dropdown' open><summary>Aside: DeepSpeed"
+                       "</summary><p>reference</p></details><div class='admonition dropdown'>"
+                       "<p class='admonition-title'>Aside: HSDP</p><p>shown</p></div>"
+                       "</body></html>",
     # what MathJax leaves for a display equation wider than the column
     "wide-equation.html": "<html><body><div class='math'><mjx-container display='true' "
                           "style='display:block;overflow-x:auto'><span style='display:"
@@ -223,6 +229,8 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
                for p in found["wide-equation.html"])
     assert any("figure text too small: wide.png" in p and "5.6 px" in p
                for p in found["small-figure.html"])
+    assert found["open-aside.html"] == ["folded aside rendered open: Aside: DeepSpeed",
+                                        "folded aside rendered open: Aside: HSDP"]
     assert "good.html" not in found and "index.html" not in found
 
 
@@ -239,3 +247,58 @@ def test_every_exercise_answer_in_the_labs_is_collapsed_with_its_output():
                 answers += 1
                 assert "hide-cell" in cell["metadata"].get("tags", []), (path.name, source[:60])
     assert answers >= 10
+
+
+# ----------------------------------------------------------------- one chapter template
+
+def toc_entries() -> list[str]:
+    import yaml
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    return [c["file"] for part in toc["parts"] for c in part["chapters"]]
+
+
+CHAPTERS_IN_TOC = [f for f in toc_entries() if f.startswith("chapters/")]
+# chapters that still close their own way, until they are brought to the template
+@pytest.mark.parametrize("chapter", CHAPTERS_IN_TOC)
+def test_every_chapter_follows_the_template(chapter):
+    """question, picture, (formulas and measurements), misconception, say it out loud,
+    worked problems, and the lab that follows it in the table of contents."""
+    import re
+    text = (ROOT / f"{chapter}.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "The question", headings[:2]
+    assert headings[1].startswith("The picture"), headings[:2]
+    closing = [h for h in headings if h.startswith(("The misconception", "Say it out loud",
+                                                    "Worked problems"))]
+    assert [h.split(":")[0].rstrip("s") for h in closing] == [
+        "The misconception", "Say it out loud", "Worked problem"], closing
+    assert headings.index(closing[-1]) >= len(headings) - 2, headings[-3:]
+    entries = toc_entries()
+    after = entries[entries.index(chapter) + 1:]
+    labs = [e for e in after[:next((i for i, e in enumerate(after)
+                                    if not e.startswith("labs/")), len(after))]]
+    if labs:  # the chapter ends by sending the reader to the lab that follows it
+        assert headings[-1].startswith("Now do lab"), headings[-1]
+        last = text[text.rindex("## Now do lab"):]
+        for lab in labs:
+            assert f"{{doc}}`../{lab}`" in last, (chapter, lab)
+
+
+def test_every_lab_follows_the_chapter_it_practises():
+    """Each lab's introduction names a chapter by its title: that chapter comes before it
+    in the table of contents, with only labs in between."""
+    import re
+    entries = toc_entries()
+    titles = {}
+    for entry in entries:
+        if entry.startswith("chapters/"):
+            first = (ROOT / f"{entry}.md").read_text().split("\n# ", 1)[1].split("\n", 1)[0]
+            titles[first.strip()] = entry
+    for i, entry in enumerate(entries):
+        if not entry.startswith("labs/"):
+            continue
+        chapter = next(e for e in reversed(entries[:i]) if not e.startswith("labs/"))
+        intro = "".join(json.loads((ROOT / f"{entry}.ipynb").read_text())["cells"][0]["source"])
+        named = [titles[t] for t in re.findall(r"chapter \*([^*]+)\*", intro) if t in titles]
+        if named:
+            assert chapter in named, (entry, chapter, named)
