@@ -29,7 +29,9 @@ LAYERS = {
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
-        "clip", "optimizers", "buckets"},
+        "clip", "optimizers", "buckets",
+        "muon", "muon.newton_schulz", "muon.split", "muon.places", "muon.designs",
+        "muon.optimizer", "comm.whole_matrix", "memory.whole_matrix"},
     2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
@@ -44,7 +46,8 @@ LAYERS = {
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "loop_concerns", "train", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "demo", "cli", "__main__", "hang_runs",
+        "muon_runs"},
 }
 
 
