@@ -40,7 +40,7 @@ LAYERS = {
         "zero.stage1", "zero.stage2", "zero.strategies", "zero.torch_ref", "zero.timeline",
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
-    4: {"viz", "report", "gpu_record",
+    4: {"viz", "report", "gpu_record", "muon_costs",
         "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
         "diagrams.step_memory", "diagrams.timelines",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",

@@ -14,11 +14,18 @@ element: Newton-Schulz casts to bf16 first). Counted as the ledger counts them
 
 Summed over ranks, gather moves (N-1) x the matrix (N L ~ M) and owner 2 (M - m_owner):
 for N > 2 the owner design moves fewer bytes, and computes each matrix once.
+
+The whole design's price is elsewhere: ZeRO's buckets of matrices laid out whole are
+padded to N times the fullest rank's load, and every reduce-scatter and all-gather of
+them moves that padding (`whole_layout_extra_bytes`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
+
+from shardlab.muon.places import owners_by_size
 
 Ranges = Sequence[tuple[int, int, int]]
 UPDATE_BYTES = 2  # bf16
@@ -57,3 +64,18 @@ def muon_messages(design: str, matrices: Sequence[Ranges], world: int,
     if design == "owner":
         return 2 * (world - 1) if world > 1 and matrices else 0
     return 0
+
+
+def whole_layout_extra_bytes(buckets: Sequence[Sequence[int]], world: int,
+                             elem_size: int = 4) -> int:
+    """Bytes a rank sends more per step when ZeRO-1/2 lays out these buckets (each the
+    sizes of its matrices) whole, one matrix on one rank (`muon:whole`,
+    `shardlab.zero.layout.whole_offsets`), than cut N ways: a bucket's chunk is its
+    fullest rank's load instead of ceil(numel/N), and its reduce-scatter and all-gather
+    each send N-1 chunks."""
+    extra = 0
+    for sizes in buckets:
+        owner = owners_by_size(list(enumerate(sizes)), world)
+        load = [sum(n for i, n in enumerate(sizes) if owner[i] == r) for r in range(world)]
+        extra += 2 * (world - 1) * (max(load) - math.ceil(sum(sizes) / world))
+    return extra * elem_size

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardlab.buckets import MB, fill_in_backward_order
+from shardlab.muon import owners_by_size
 from shardlab.strategy import owned_ranges
 
 
@@ -103,15 +104,13 @@ def fill_buckets(group: int, params: list[nn.Parameter], world: int,
 def whole_offsets(sizes: list[int], world: int) -> tuple[tuple[int, ...], int]:
     """A bucket laid out so that every parameter lies whole in one rank's chunk (what an
     optimizer that needs whole matrices wants: `shardlab.muon`, "muon:whole"): the
-    largest parameter first, each to the rank with the fewest elements so far; the chunk
+    largest parameter first, each to the rank with the fewest elements so far (Muon's
+    owner design assigns its matrices so, `shardlab.muon.owners_by_size`); the chunk
     is the fullest rank's load, and the other ranks' chunks end in padding. Returns each
     parameter's offset in the bucket and the bucket's padded size (N chunks). The price
     is that padding: every reduce-scatter and all-gather of the bucket moves N chunks."""
-    load = [0] * world
-    rank_of = {}
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        rank_of[i] = min(range(world), key=lambda r: (load[r], r))
-        load[rank_of[i]] += sizes[i]
+    rank_of = owners_by_size(list(enumerate(sizes)), world)
+    load = [sum(n for i, n in enumerate(sizes) if rank_of[i] == r) for r in range(world)]
     chunk = max(1, max(load))
     filled = [r * chunk for r in range(world)]
     offsets = []
