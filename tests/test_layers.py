@@ -29,7 +29,9 @@ LAYERS = {
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
-        "clip", "optimizers", "buckets", "units", "trace"},
+        "clip", "optimizers", "buckets", "units", "trace",
+        "muon", "muon.newton_schulz", "muon.split", "muon.places", "muon.designs",
+        "muon.optimizer", "comm.whole_matrix", "memory.whole_matrix"},
     2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
@@ -38,13 +40,14 @@ LAYERS = {
         "zero.stage1", "zero.stage2", "zero.strategies", "zero.torch_ref", "zero.timeline",
         "sharded", "sharded.model", "sharded.unit", "zero3",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
-    4: {"viz", "report", "gpu_record",
+    4: {"viz", "report", "gpu_record", "muon_costs",
         "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
         "diagrams.step_memory", "diagrams.timelines",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "loop_concerns", "train", "workers", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "workers", "demo", "cli", "__main__", "hang_runs",
+        "muon_runs"},
 }
 
 

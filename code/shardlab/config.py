@@ -128,7 +128,8 @@ class TrainConfig:
     def _check_what_is_trained(self) -> None:
         get_strategy(self.strategy)
         get_precision(self.precision)
-        optimizer_spec(self.optimizer, self.lr, self.clip_norm)
+        optimizer_spec(self.optimizer, self.lr, self.clip_norm).check_strategy(
+            self.strategy, self.precision)
         check_simulated_network(self.simulated_network)
         if self.model not in MODEL_NAMES:
             hf_spec(self.model)  # a published size or a config.json, else refused by name
@@ -213,7 +214,8 @@ class TrainConfig:
             raise ValueError("save_every and resume=True need checkpoint_dir, the folder "
                              "that holds the checkpoints")
         asked = [name for name in ("save_every", "resume", "export_path") if getattr(self, name)]
-        refusal = checkpoint_refusal(self.strategy) if asked else None
+        refusal = (checkpoint_refusal(self.strategy) or optimizer_spec(
+            self.optimizer, self.lr).checkpoint_refusal) if asked else None
         if refusal:
             raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
                              f"shardlab's checkpoints: {refusal}")

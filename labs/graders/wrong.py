@@ -500,3 +500,115 @@ UNITS = [
             "looks like a tied weight is listed under both its names: it is one parameter, sharded "
             "once (named_parameters() yields it once)"),
 ]
+
+
+# --- Muon's owner design (lab 11): one matrix's step ---------------------------------------
+
+def _owner_assembles(piece, shape, ranges, owner, own_piece=True):
+    """The owner's whole update from every rank's piece (others: None, after sending)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    if rank != owner:
+        if piece.numel():
+            dist.send(piece, dst=owner)
+        return None
+    whole = torch.zeros(shape[0] * shape[1], dtype=piece.dtype)
+    for r, a, z in ranges:
+        if r == rank:
+            if own_piece:
+                whole[a:z] = piece
+        else:
+            dist.recv(whole[a:z], src=r)
+    return whole
+
+
+def _slices_back(ortho, piece, ranges, owner, shift=False):
+    """Each rank's slice of the owner's flattened result, sent back (`shift`: every rank
+    gets the first elements instead of its own)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    mine = next(((a, z) for r, a, z in ranges if r == rank), None)
+    if rank == owner:
+        for r, a, z in ranges:
+            if r != rank:
+                dist.send((ortho[:z - a] if shift else ortho[a:z]).contiguous(), dst=r)
+        return ortho[mine[0]:mine[1]] if mine else ortho[:0]
+    if mine is None:
+        return piece
+    out = torch.empty_like(piece)
+    dist.recv(out, src=owner)
+    return out
+
+
+def owner_step_own_piece_orthogonalized(piece, shape, ranges, owner):
+    """Each rank orthogonalizes its own piece, as rows of the matrix: no owner at all."""
+    from shardlab.muon import newton_schulz
+    return newton_schulz(piece.view(-1, shape[1])).reshape(-1)
+
+
+def owner_step_returns_whole(piece, shape, ranges, owner):
+    """The owner broadcasts its whole result, and every rank returns all of it."""
+    import torch.distributed as dist
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner)
+    ortho = (newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else
+             torch.empty(shape[0] * shape[1], dtype=piece.dtype))
+    dist.broadcast(ortho, src=owner)
+    return ortho
+
+
+def owner_step_first_elements_back(piece, shape, ranges, owner):
+    """The owner sends every rank the first elements of the result, not its own range."""
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner)
+    ortho = newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else None
+    return _slices_back(ortho, piece, ranges, owner, shift=True)
+
+
+def owner_step_without_own_piece(piece, shape, ranges, owner):
+    """The owner receives the others' pieces but leaves its own out (zeros)."""
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner, own_piece=False)
+    ortho = newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else None
+    return _slices_back(ortho, piece, ranges, owner)
+
+
+def owner_step_gather(piece, shape, ranges, owner):
+    """The gather design: every rank gathers the whole matrix and orthogonalizes it (right
+    values, N times the compute): its grader's rule rejects it."""
+    import torch.distributed as dist
+    from shardlab.muon import newton_schulz
+    longest = max(z - a for _, a, z in ranges)
+    mine = torch.zeros(longest, dtype=piece.dtype)
+    mine[:piece.numel()] = piece
+    gathered = torch.empty(dist.get_world_size() * longest, dtype=piece.dtype)
+    all_gather_into(gathered, mine)
+    whole = torch.cat([gathered[r * longest:r * longest + z - a] for r, a, z in ranges])
+    ortho = newton_schulz(whole.view(shape)).reshape(-1)
+    a, z = next(((a, z) for r, a, z in ranges if r == dist.get_rank()), (0, 0))
+    return ortho[a:z]
+
+
+def owner_step_broadcast(piece, shape, ranges, owner):
+    """The owner broadcasts the whole result and each rank keeps its slice (right values,
+    N - 1 whole matrices sent where slices do): its grader's rule rejects it."""
+    import torch.distributed as dist
+    ortho = owner_step_returns_whole(piece, shape, ranges, owner)
+    a, z = next(((a, z) for r, a, z in ranges if r == dist.get_rank()), (0, 0))
+    return ortho[a:z]
+
+
+MUON_OWNER = [
+    Mistake(owner_step_own_piece_orthogonalized,
+            "looks like each rank orthogonalized its own piece: Newton-Schulz needs the whole "
+            "matrix (send every piece to the owner first)"),
+    Mistake(owner_step_returns_whole,
+            "looks like every rank returned the whole orthogonalized matrix: return only this "
+            "rank's elements [start, stop) of it"),
+    Mistake(owner_step_first_elements_back,
+            "looks like every rank got the first elements of the result: send rank r the "
+            "elements [start_r, stop_r) of the flattened result"),
+    Mistake(owner_step_without_own_piece,
+            "looks like the owner left its own piece out of the matrix it orthogonalized: copy "
+            "it into place before Newton-Schulz"),
+]
