@@ -28,6 +28,11 @@ from shardlab.strategy import (check_before_launch, checkpoint_refusal, get_stra
                                optimizer_spec)
 
 
+# What draws a step's global batch (`shardlab.models.get_batch`): a resume keeps them, so
+# that the data goes on where it stopped; the number of ranks and micro-batches may change.
+DATA_FIELDS = ("batch_size", "seq_len", "seed", "variable_lengths")
+
+
 @dataclass
 class TrainConfig:
     """A run, its fields by concern: what is trained and how; the steps and their data;
@@ -249,6 +254,17 @@ class TrainConfig:
             raise ValueError(f"the checkpoint {folder.name} was saved with optimizer "
                              f"{saved['optimizer']!r}, not {self.optimizer!r}: resume it "
                              f"with optimizer={saved['optimizer']!r}")
+        changed = [name for name in DATA_FIELDS
+                   if name in saved.get("data", {}) and saved["data"][name] != getattr(self, name)]
+        if changed:
+            # step s's global batch is drawn from these: with others, the resumed run would
+            # read other samples than the ones an uninterrupted run reads next (and no
+            # count of samples seen could say which were skipped or read twice)
+            name = changed[0]
+            raise ValueError(f"the checkpoint {folder.name} read {saved['samples_seen']:,} "
+                             f"samples with {name}={saved['data'][name]!r}; resume it with "
+                             f"{name}={saved['data'][name]!r} (the number of ranks may "
+                             f"change: any world that divides the batch reads the same rows)")
         step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "

@@ -22,7 +22,7 @@ from shardlab import checkpoint
 from shardlab.clock import StepClock
 from shardlab.comm import Ledger, clock_offset
 from shardlab.comm.flight import FlightRecorder
-from shardlab.config import TrainConfig, resume_folder
+from shardlab.config import DATA_FIELDS, TrainConfig, resume_folder
 from shardlab.debugging import memory_limit, straggle
 from shardlab.launch.quiet import quiet_stderr
 from shardlab.measure import track_peak
@@ -212,10 +212,21 @@ class Checkpoints:
         checkpoint.save(config.checkpoint_dir, step + 1, self.wrapped,
                         {"strategy": config.strategy, "model": config.model,
                          "model_config": config.model_config,
-                         "precision": config.precision, "optimizer": config.optimizer})
+                         "precision": config.precision, "optimizer": config.optimizer,
+                         **data_position(config, step + 1)})
         if ledger is not None:  # the ledger holds the strategy's traffic, not the save's
             del ledger.records[kept:]
         self.saves.append(time.perf_counter() - start)
+
+
+def data_position(config: TrainConfig, step: int) -> dict:
+    """Where the data stands after `step` steps: the samples read (step x the global
+    batch: `shardlab.models.sample_ids` numbers them) and what draws the next ones. The
+    global batch of a step is drawn from (seed, step) whatever the number of ranks, so a
+    resume on any N reads the next samples exactly when these are the same
+    (`TrainConfig.check_resume` refuses a resume where they are not)."""
+    return {"samples_seen": step * config.batch_size,
+            "data": {name: getattr(config, name) for name in DATA_FIELDS}}
 
 
 # ----------------------------------------------------------------------------- progress

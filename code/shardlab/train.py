@@ -48,7 +48,8 @@ from shardlab.launch import (OWNER, RUN_DIR_PREFIX, RankFailed, launch, placemen
                              whereabouts)
 from shardlab.loop_concerns import Checkpoints, Measurement, RehearsedFaults, progress_shown
 from shardlab.modelio import build_on_meta, wrap_on_meta
-from shardlab.models import build_model, get_batch, global_token_count, micro_batch_loss
+from shardlab.models import (GENERATOR_LOCK, build_model, get_batch, global_token_count,
+                             micro_batch_loss)
 from shardlab.precision import get_precision
 from shardlab.report import RunReport, ledger_totals, median_step_time
 from shardlab.step import train_step
@@ -142,7 +143,8 @@ def build_and_wrap(config: TrainConfig, world: int, device: torch.device
                    ) -> tuple[Wrapped, int, float, int]:
     """The model wrapped for the strategy, and what MFU needs: Ψ (trainable parameters),
     the rate of the model's own matmuls on this rank, and this rank's tokens a step."""
-    torch.manual_seed(config.seed)
+    with GENERATOR_LOCK:  # ranks that are threads share one generator
+        torch.manual_seed(config.seed)
     precision = get_precision(config.precision)
     before_wrap = recompute_units if config.recompute else None  # hooks run inside it
     spec = optimizer_spec(config.optimizer, config.lr, config.clip_norm,
