@@ -123,8 +123,9 @@ def test_a_resume_that_would_read_other_samples_is_refused(tmp_path):
     for field, value in (("batch_size", 96), ("seq_len", 16), ("seed", 1)):
         other = config("fsdp2", 4, 2, tmp_path / "again", resume=str(folder / "step-000001"),
                        **{field: value})
-        with pytest.raises(ValueError, match=f"read 192 samples with {field}=.*; resume it "
-                                             f"with {field}="):
+        with pytest.raises(ValueError, match=f"read 192 samples with {field}=.*; with "
+                                             f"{field}={value} the run would go on with other "
+                                             f"samples .* resume it with {field}="):
             run_on_threads(other)
     # the number of ranks and of micro-batches may change
     run_on_threads(config("fsdp2", 4, 2, tmp_path / "ok", grad_accum=2,

@@ -260,11 +260,13 @@ class TrainConfig:
             # step s's global batch is drawn from these: with others, the resumed run would
             # read other samples than the ones an uninterrupted run reads next (and no
             # count of samples seen could say which were skipped or read twice)
-            name = changed[0]
+            name, was = changed[0], saved["data"][changed[0]]
             raise ValueError(f"the checkpoint {folder.name} read {saved['samples_seen']:,} "
-                             f"samples with {name}={saved['data'][name]!r}; resume it with "
-                             f"{name}={saved['data'][name]!r} (the number of ranks may "
-                             f"change: any world that divides the batch reads the same rows)")
+                             f"samples with {name}={was!r}; with {name}="
+                             f"{getattr(self, name)!r} the run would go on with other samples "
+                             f"than it would have read: resume it with {name}={was!r} (the "
+                             f"number of ranks may change: any that divides the batch reads "
+                             f"the same rows)")
         step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
