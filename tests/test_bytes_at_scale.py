@@ -55,7 +55,7 @@ def test_the_formulas_without_padding_are_exact_where_n_divides(gpt):
         assert padding_cost(strategy, gpt, 64) == {"held": 0.0, "sent": 0.0}
 
 
-@pytest.mark.parametrize("world,rank", [(48, 47), (100, 70), (1000, 999)])
+@pytest.mark.parametrize("world,rank", [(48, 47), (1000, 999)])
 def test_the_planners_uneven_split_rank_by_rank(gpt, world, rank):
     shapes = parameter_shapes(gpt)
     counters = STEP_COUNTER * len(shapes)
@@ -64,9 +64,9 @@ def test_the_planners_uneven_split_rank_by_rank(gpt, world, rank):
         plan = dim0_states(shapes, world, rank, "fp32", "adamw", optimizer_padded=padded)
         assert (held.params, held.grads, held.optimizer - counters) == \
             (plan.params, plan.grads, plan.optimizer), (strategy, world, rank)
-    # PyTorch's last ranks hold Adam's states of fewer rows than the first
-    first = measure_one_rank("torch-fsdp2", world, rank=0)
-    assert measure_one_rank("torch-fsdp2", world, rank=rank).optimizer < first.optimizer
+    # PyTorch's last rank holds Adam's states of fewer rows than its first
+    first = dim0_states(shapes, world, 0, "fp32", "adamw", optimizer_padded=False)
+    assert held.optimizer - counters < first.optimizer
 
 
 @pytest.mark.parametrize("replicas,shard", [(2, 4), (4, 16)])

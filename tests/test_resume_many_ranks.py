@@ -1,19 +1,18 @@
 """Resume on another number of ranks, exactly: saved at N = 64, resumed at 48, then at 1
 (ranks that are threads, `shardlab.many_ranks`), and a real launch of 4 processes resumed
-on 3.
+on 3. Every strategy of the course that writes checkpoints takes one of the two (see
+CHAIN), on a model whose rows N does not divide (toy-tied: a 256 x 16 embedding tied to
+the head, layers of 32 and 16 rows, Ψ = 5,168; at 48 and 64 ranks some ranks hold none of
+a layer), against one process trained without a break:
 
-For every strategy of the course that writes checkpoints, on a model whose rows N does
-not divide (toy-tied: a 256 x 16 embedding tied to the head, layers of 32 and 16 rows, Ψ =
-5,168; at 48 and 64 ranks some ranks hold none of a layer), against one process trained
-without a break:
-
-* the checkpoint at each boundary (written at 64, at 48, at 1) holds the parameters and
-  the optimizer states of the uninterrupted run at that step;
+* the checkpoint at each boundary (written at 64, at 48, at 1; at 4 and at 3) holds the
+  parameters and the optimizer states of the uninterrupted run at that step;
 * the losses of every segment are the uninterrupted run's;
 * the data position: the ids of the samples the ranks read (`shardlab.models.sample_ids`,
   recorded where the loop reads its batches) are each sample once, 0 .. T·B - 1, and
   every row holds what the uninterrupted run read under that id;
-* a resume that would read other samples (another batch size) is refused in one line.
+* a resume that would read other samples (another batch size, sequence length or seed)
+  is refused in one line; another number of ranks or of micro-batches is not.
 
 Bounds: another world size reduces the gradients in another order (fp32, relative
 1e-7), and AdamW divides by each element's own running RMS, so a state is compared to
@@ -38,11 +37,11 @@ from shardlab.train import TrainConfig, train_rank
 STRATEGIES = ["ddp", "ddp-naive", "zero1", "zero2", "zero3", "fsdp2", "hsdp"]
 # At 64 ranks each rank describes every rank's pieces to PyTorch's ShardedTensor, which
 # checks them for overlap pair by pair where a piece is not a block of rows (ZeRO's flat
-# buffers cut rows): O(N^2) a rank, all 64 ranks on two cores. The chain runs one
-# strategy of each layout (replicated, flat, dim-0, dim-0 with replicas: ddp-naive has
-# ddp's pieces, zero1 and zero2 zero3's kind), and every strategy resumes across real
-# processes below.
-CHAIN = ["ddp", "zero3", "fsdp2", "hsdp"]
+# buffers cut rows): O(N^2) a rank, and all 64 ranks share two cores here. So the chain
+# runs one strategy of each layout, replicated (ddp), flat (zero3), dim-0 (fsdp2), and
+# the others (ddp-naive, zero1 and zero2, hsdp's replicas) resume across real processes.
+CHAIN = ["ddp", "zero3", "fsdp2"]
+LAUNCHED = [s for s in STRATEGIES if s not in CHAIN]
 # (world, steps trained to, save after): 64 saves at step 2, 48 resumes it and saves at
 # 4, one rank resumes that and saves at 5
 SEGMENTS = [(64, 2), (48, 4), (1, 5)]
@@ -133,22 +132,22 @@ def test_a_resume_that_would_read_other_samples_is_refused(tmp_path):
 
 
 def test_a_real_launch_of_4_resumed_on_3(tmp_path):
-    """Every strategy in one launch of 4 processes (2 steps, saved), then in one of 3
-    (resumed, to step 4); hsdp on 4 = 2 x 2, on 3 = 3 x 1."""
+    """The strategies the chain leaves out, in one launch of 4 processes (2 steps, saved),
+    then in one of 3 (resumed, to step 4); hsdp on 4 = 2 x 2, on 3 = 3 x 1."""
     batch = 12  # divides among 4 and 3 ranks: the uninterrupted run's first 4 steps
     first = [replace(config(s, 4, 2, tmp_path / s / "at-4"), batch_size=batch,
-                     options={"shard_group": 2} if s == "hsdp" else {}) for s in STRATEGIES]
+                     options={"shard_group": 2} if s == "hsdp" else {}) for s in LAUNCHED]
     then = [replace(c, world=3, steps=4, save_every=4, checkpoint_dir=str(tmp_path / s / "at-3"),
                     resume=str(tmp_path / s / "at-4" / "step-000002"),
                     options={"shard_group": 1} if s == "hsdp" else {})
-            for s, c in zip(STRATEGIES, first)]
+            for s, c in zip(LAUNCHED, first)]
     with w.samples_recorded() as seen:
         reference = train_rank(replace(config("single", 1, 4, tmp_path / "single"),
                                        batch_size=batch))
     rows = {i: x for _, _, _, ids, xs in seen for i, x in zip(ids, xs)}
     four = launch(w.train_many_recording, 4, first, backend="gloo", timeout=600)
     three = launch(w.train_many_recording, 3, then, backend="gloo", timeout=600)
-    for i, strategy in enumerate(STRATEGIES):
+    for i, strategy in enumerate(LAUNCHED):
         losses = four[0][i][0].losses + three[0][i][0].losses
         assert three[0][i][0].first_step == 2, strategy
         assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= LOSS_TOL, strategy

@@ -24,7 +24,7 @@ from shardlab.many_ranks import (expected_bytes, launch_threads, reassembled,
                                  unsplit_mlp_run)
 from shardlab.train import train_rank
 
-STEPS, LR = 3, 1e-3
+STEPS, LR = 2, 1e-3
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "hsdp"]
 SHARD_GROUP = {8: 4, 16: 4, 64: 16}  # HSDP's meshes: 2 x 4, 4 x 4, 4 x 16
 

@@ -5,8 +5,8 @@ ships, for its own tests, a process group whose ranks are threads of one process
 (`torch/testing/_internal/distributed/multi_threaded_pg.py`, backend "threaded"): each
 thread calls `init_process_group` with its rank, sees its own `dist.get_rank()`, its own
 groups and device meshes, and every collective is done for real, by copying and adding
-the threads' tensors. So the course's code runs on it unchanged, one thread a rank, at N = 64:
-the strategies, the loop (`shardlab.train.train_rank`), the checkpoints, the ledger.
+the threads' tensors. So the course's code runs on it, one thread a rank, at N = 64: the
+strategies, the loop (`shardlab.train.train_rank`), the checkpoints, the ledger.
 
     >>> from shardlab.many_ranks.threads import launch_threads
     >>> launch_threads(fn, 64, *args)     # fn(*args) on 64 ranks; their values, in rank order
@@ -48,11 +48,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, BarrierOptions,
+                                        BroadcastOptions, ReduceScatterOptions,
+                                        _create_work_from_future)
+from torch.distributed.distributed_c10d import _store_based_barrier
 from torch.futures import Future
 from torch.testing._internal.distributed.multi_threaded_pg import (
     ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg, ret_work)
-from torch.distributed.distributed_c10d import _store_based_barrier
 
 from shardlab.comm.ledger import ledgers_per_thread, muted, recorded_ring
 from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
@@ -122,61 +124,55 @@ class ThreadRank(ProcessLocalGroup):
     numel: an all-gather's output, a reduce-scatter's input). A collective built on
     another (all_gather_single on allgather, barrier on allreduce) is recorded once."""
 
-    def _recorded(self, op: str, tensors, numel: int, run: Callable, src: int = 0):
-        with recorded_ring(op, _first(tensors), numel, self._world_size, self._rank, src,
-                           group=self):
-            return run()
+    def _recorded(self, op: str, tensors, numel: int, src: int = 0):
+        """The ledger's record of a collective that blocks from call to return (every
+        collective of this group does), counted as the ring algorithm moves it."""
+        return recorded_ring(op, _first(tensors), numel, self._world_size, self._rank, src,
+                             group=self)
 
-    def allreduce(self, tensor_list, opts=None):
-        run = lambda: super(ThreadRank, self).allreduce(tensor_list, *_given(opts))  # noqa: E731
-        return self._recorded("all_reduce", tensor_list, _numel(tensor_list), run)
+    def allreduce(self, tensor_list, opts=AllreduceOptions()):
+        with self._recorded("all_reduce", tensor_list, _numel(tensor_list)):
+            return super().allreduce(tensor_list, opts)
 
-    def allreduce_coalesced(self, tensor_list, opts=None):
-        run = lambda: super(ThreadRank, self).allreduce_coalesced(tensor_list,  # noqa: E731
-                                                                  *_given(opts))
-        return self._recorded("all_reduce", tensor_list, _numel(tensor_list), run)
+    def allreduce_coalesced(self, tensor_list, opts=AllreduceOptions()):
+        with self._recorded("all_reduce", tensor_list, _numel(tensor_list)):
+            return super().allreduce_coalesced(tensor_list, opts)
 
-    def allgather(self, output_tensors, input_tensor, opts=None):
-        run = lambda: super(ThreadRank, self).allgather(output_tensors, input_tensor,  # noqa: E731
-                                                        *_given(opts))
-        return self._recorded("all_gather", input_tensor, _numel(output_tensors), run)
+    def allgather(self, output_tensors, input_tensor, opts=AllgatherOptions()):
+        with self._recorded("all_gather", input_tensor, _numel(output_tensors)):
+            return super().allgather(output_tensors, input_tensor, opts)
 
-    def all_gather_single(self, output_tensor, input_tensor, opts=None):
-        run = lambda: super(ThreadRank, self).all_gather_single(  # noqa: E731
-            output_tensor, input_tensor, *_given(opts))
-        return self._recorded("all_gather", input_tensor, output_tensor.numel(), run)
+    def all_gather_single(self, output_tensor, input_tensor, opts=AllgatherOptions()):
+        with self._recorded("all_gather", input_tensor, output_tensor.numel()):
+            return super().all_gather_single(output_tensor, input_tensor, opts)
 
-    def reduce_scatter(self, output_tensor, scatter_list, opts=None):
-        run = lambda: super(ThreadRank, self).reduce_scatter(  # noqa: E731
-            output_tensor, scatter_list, *_given(opts))
-        return self._recorded("reduce_scatter", output_tensor, _numel(scatter_list), run)
+    def reduce_scatter(self, output_tensor, scatter_list, opts=ReduceScatterOptions()):
+        with self._recorded("reduce_scatter", output_tensor, _numel(scatter_list)):
+            return super().reduce_scatter(output_tensor, scatter_list, opts)
 
-    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
-        run = lambda: super(ThreadRank, self).reduce_scatter_single(  # noqa: E731
-            output_tensor, input_tensor, *_given(opts))
-        return self._recorded("reduce_scatter", output_tensor, input_tensor.numel(), run)
+    def reduce_scatter_single(self, output_tensor, input_tensor,
+                              opts=ReduceScatterOptions()):
+        with self._recorded("reduce_scatter", output_tensor, input_tensor.numel()):
+            return super().reduce_scatter_single(output_tensor, input_tensor, opts)
 
-    def broadcast(self, tensor_list, opts=None):
-        run = lambda: super(ThreadRank, self).broadcast(tensor_list, *_given(opts))  # noqa: E731
-        root = opts.rootRank if opts is not None else 0
-        return self._recorded("broadcast", tensor_list, _numel(tensor_list), run, root)
+    def broadcast(self, tensor_list, opts=BroadcastOptions()):
+        with self._recorded("broadcast", tensor_list, _numel(tensor_list), opts.rootRank):
+            return super().broadcast(tensor_list, opts)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=BarrierOptions()):
         with muted():  # a barrier moves no data: gloo's is not in the ledger either
-            return super().barrier()
+            return super().barrier(opts)
 
     def send(self, tensors, dst, tag=0):
-        def run():
+        with self._recorded("send", tensors, _numel(tensors)):
             _MAIL.send((self.pg_name, self._rank, dst, tag), tensors[0])
             return ret_work(None)
-        return self._recorded("send", tensors, _numel(tensors), run)
 
     def recv(self, tensors, src, tag=0):
         # recorded when it is posted, as the ledger records a native irecv at its launch
-        def run():
+        with self._recorded("recv", tensors, _numel(tensors)):
             return _create_work_from_future(
                 _MAIL.recv((self.pg_name, src, self._rank, tag), tensors[0]))
-        return self._recorded("recv", tensors, _numel(tensors), run)
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError("recv from any source is not simulated: name the source")
@@ -189,10 +185,6 @@ class ThreadRank(ProcessLocalGroup):
         # tensor this rank holds no piece of: "gloo" is the CPU, any other name CUDA
         # (`torch/distributed/_shard/sharded_tensor/_ops/tensor_ops.py`). The CPU it is.
         return "gloo"
-
-
-def _given(opts) -> tuple:
-    return () if opts is None else (opts,)
 
 
 def _create_group(prefix_store, rank, world_size, timeout):
