@@ -22,6 +22,14 @@ Two of PyTorch's own simulations carry the course's code there, unchanged:
 What neither models: time (threads share the cores and the GIL; a fake collective takes
 none) and memory per rank apart from the model states (every thread shares one
 allocator, so no rank's peak is measured).
+
+Why threads, and not PyTorch's third simulation, `LocalTensorMode` (N ranks' values in
+one tensor, `torch/distributed/_local_tensor/__init__.py`): it runs the program once for
+all ranks, so `dist.get_rank()` there is a symbolic integer that holds every rank at once
+(`LocalIntNode`), and point-to-point traffic needs its own runner (`LocalRunnerMode`,
+`local_p2p_op`). The course's code indexes chunks by its rank and its rings call
+`isend`/`irecv`: each would need a special case. A thread is a rank as a process is, so
+the code runs as it is.
 """
 
 from shardlab.many_ranks.fake import one_rank_of
