@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import many_ranks_workers as w
 from shardlab.launch import launch
-from shardlab.many_ranks import run_on_threads
+from shardlab.many_ranks import run_on_threads, train_many_on_threads
 from shardlab.train import TrainConfig, train_rank
 
 STRATEGIES = ["ddp", "ddp-naive", "zero1", "zero2", "zero3", "fsdp2", "hsdp"]
@@ -126,6 +126,9 @@ def test_a_resume_that_would_read_other_samples_is_refused(tmp_path):
                                              f"{field}={value} the run would go on with other "
                                              f"samples .* resume it with {field}="):
             run_on_threads(other)
+        # ranks launched without `run` (a notebook's train_many) refuse it as they load
+        with pytest.raises(ValueError, match=f"with {field}={value} the run would go on"):
+            train_many_on_threads([other])
     # the number of ranks and of micro-batches may change
     run_on_threads(config("fsdp2", 4, 2, tmp_path / "ok", grad_accum=2,
                           resume=str(folder / "step-000001")))

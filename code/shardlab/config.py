@@ -254,24 +254,30 @@ class TrainConfig:
             raise ValueError(f"the checkpoint {folder.name} was saved with optimizer "
                              f"{saved['optimizer']!r}, not {self.optimizer!r}: resume it "
                              f"with optimizer={saved['optimizer']!r}")
-        changed = [name for name in DATA_FIELDS
-                   if name in saved.get("data", {}) and saved["data"][name] != getattr(self, name)]
-        if changed:
-            # step s's global batch is drawn from these: with others, the resumed run would
-            # read other samples than the ones an uninterrupted run reads next (and no
-            # count of samples seen could say which were skipped or read twice)
-            name, was = changed[0], saved["data"][changed[0]]
-            raise ValueError(f"the checkpoint {folder.name} read {saved['samples_seen']:,} "
-                             f"samples with {name}={was!r}; with {name}="
-                             f"{getattr(self, name)!r} the run would go on with other samples "
-                             f"than it would have read: resume it with {name}={was!r} (the "
-                             f"number of ranks may change: any that divides the batch reads "
-                             f"the same rows)")
+        self.check_same_data(saved, folder.name)
         step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
                              f"{step}; ask for steps > {step}")
         return step
+
+
+    def check_same_data(self, saved: dict, name: str) -> None:
+        """Refuse to resume checkpoint `name` (its marker `saved`) with another batch size,
+        sequence length, seed or padding: step s's global batch is drawn from these, so
+        the resumed run would read other samples than the uninterrupted one reads next,
+        and no count of samples seen could say which were skipped or read twice. Checked
+        by `check_resume` in the launching process, and by each rank as it loads."""
+        data = saved.get("data", {})  # a checkpoint saved before the marker held it: {}
+        changed = [field for field in DATA_FIELDS
+                   if field in data and data[field] != getattr(self, field)]
+        if changed:
+            field, was = changed[0], data[changed[0]]
+            raise ValueError(f"the checkpoint {name} read {saved['samples_seen']:,} samples "
+                             f"with {field}={was!r}; with {field}={getattr(self, field)!r} "
+                             f"the run would go on with other samples than it would have "
+                             f"read: resume it with {field}={was!r} (the number of ranks may "
+                             f"change: any that divides the batch reads the same rows)")
 
 
 def resume_folder(config: TrainConfig, say=None) -> Path | None:

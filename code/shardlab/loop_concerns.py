@@ -198,8 +198,10 @@ class Checkpoints:
             return 0
         start = time.perf_counter()
         # check_resume, in the launching process, already said which checkpoints it skipped
-        step = checkpoint.load(resume_folder(self.config, say=None), self.wrapped,
-                               trusted=self.config.trust_checkpoint)
+        folder = resume_folder(self.config, say=None)
+        if checkpoint.is_complete(folder):  # a run launched without `run` is checked here
+            self.config.check_same_data(checkpoint.info(folder), folder.name)
+        step = checkpoint.load(folder, self.wrapped, trusted=self.config.trust_checkpoint)
         self.load_seconds = time.perf_counter() - start
         return step
 
