@@ -44,6 +44,16 @@ def test_one_rank_of_n_holds_and_sends_what_the_formulas_say(gpt, strategy):
             fields(predicted(strategy, gpt, world)), (strategy, world)
 
 
+@pytest.mark.parametrize("model", ["toy-frozen", "toy-tied"])
+def test_frozen_and_tied_parameters_at_an_uneven_n(model):
+    """A frozen embedding is held whole below stage 3 and sharded, never stepped, at stage
+    3; a tied weight is counted once."""
+    shapes = build_model(model)
+    for strategy in STRATEGIES:
+        assert fields(measure_one_rank(strategy, 48, model=model)) == \
+            fields(predicted(strategy, shapes, 48)), (model, strategy)
+
+
 def test_the_formulas_without_padding_are_exact_where_n_divides(gpt):
     """Ψ = 120,576 = 2^8·3·157 and every tensor's rows are multiples of 64: at N = 64
     nothing is padded, and what a rank holds is the course's formula (plus Adam's step

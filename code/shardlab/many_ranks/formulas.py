@@ -33,7 +33,10 @@ which the ZeRO paper's K leaves out). Per strategy, per rank:
             all-reduce of the reduced shard X = Σs over the R = N/S replicas
             ("inter-node"): 2(R-1)⌈X/R⌉·4
 
-(P: the parameter tensors stepped; Ψ counts a tied weight once.)
+(P: the parameter tensors stepped; Ψ counts a tied weight once. A frozen parameter is
+held whole below stage 3, as a padded shard beside the trainable ones at stage 3, and
+neither stepped nor reduced. Every trainable parameter is taken to get a gradient: one
+that no forward uses has no Adam state under DDP, which the shapes cannot tell.)
 """
 
 from __future__ import annotations
@@ -133,13 +136,15 @@ def _flat_buckets(model: nn.Module, world: int, stage: int, options: dict) -> Ra
     sizes = bucket_numels(model, options.get("first_bucket_mb", first),
                           options.get("bucket_mb", DEFAULT_BUCKET_MB))
     sent = sum(ring_sent("all_reduce", n, world) for n in sizes)  # RS + AG: the same bytes
+    frozen = PARAM * sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if stage == 0:
         n, counters = sum(sizes), STEP_COUNTER * len(trainable(model))
-        return RankBytes(PARAM * n, GRAD * n, ADAM * n + counters, {ALL: sent}, counters)
+        return RankBytes(PARAM * n + frozen, GRAD * n, ADAM * n + counters, {ALL: sent},
+                         counters)
     padded = sum(world * chunk(n, world) for n in sizes)
     mine = sum(chunk(n, world) for n in sizes)
     counters = STEP_COUNTER * len(sizes)  # one flat shard stepped per bucket
-    return RankBytes(PARAM * padded, GRAD * (padded if stage == 1 else mine),
+    return RankBytes(PARAM * padded + frozen, GRAD * (padded if stage == 1 else mine),
                      ADAM * mine + counters, {ALL: sent}, counters)
 
 
