@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from matplotlib.text import Text
 
+from shardlab import viz
 from shardlab.comm import INTER, INTRA
 from shardlab.launch import LaunchError
 from shardlab.many_ranks import (ALL, bytes_against_world, ideal, measure_one_rank,
@@ -115,6 +117,11 @@ def test_the_figure_draws_the_sweep():
     held, sent = fig.axes
     assert len(held.lines) == 2 * 3 and held.get_xscale() == "log"
     assert sent.get_legend() is not None
+    # the book's column: no wider, and no text smaller than it shows (`shardlab.viz`)
+    assert fig.get_figwidth() <= viz.MAX_WIDTH_IN and fig.dpi == viz.DPI
+    fig.canvas.draw()
+    assert min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip()) \
+        >= viz.SMALLEST_PT
 
 
 def test_bad_input_is_refused_in_one_line(gpt):

@@ -261,7 +261,6 @@ class TrainConfig:
                              f"{step}; ask for steps > {step}")
         return step
 
-
     def check_same_data(self, saved: dict, name: str) -> None:
         """Refuse to resume checkpoint `name` (its marker `saved`) with another batch size,
         sequence length, seed or padding: step s's global batch is drawn from these, so

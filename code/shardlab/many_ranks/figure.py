@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+from shardlab.viz import DPI, MAX_WIDTH_IN, SMALLEST_PT, UNITS
+
 COLORS = {"ddp": "#4C72B0", "zero1": "#8172B3", "zero2": "#DD8452", "zero3": "#55A868",
           "fsdp2": "#C44E52", "hsdp": "#937860"}
-WIDTH_IN, HEIGHT_IN, DPI = 7.5, 3.4, 90  # the book's text column (see shardlab.viz)
+HEIGHT_IN = 3.4
 
 
 def bytes_against_world(rows: Sequence[dict], unit: str = "KB", title: str = ""):
@@ -21,7 +22,7 @@ def bytes_against_world(rows: Sequence[dict], unit: str = "KB", title: str = "")
     if unit not in UNITS:
         raise ValueError(f"unknown unit {unit!r}; use one of {list(UNITS)}")
     div = UNITS[unit]
-    fig, axes = plt.subplots(1, 2, figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI)
+    fig, axes = plt.subplots(1, 2, figsize=(MAX_WIDTH_IN, HEIGHT_IN), dpi=DPI)
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     for ax, what, label in ((axes[0], "held", "held per rank"),
                             (axes[1], "sent", "sent per rank and step")):
@@ -48,14 +49,14 @@ def bytes_against_world(rows: Sequence[dict], unit: str = "KB", title: str = "")
         ax.set_xlabel("N, ranks")
         ax.set_ylabel(f"{label} ({unit})")
         ax.spines[["top", "right"]].set_visible(False)
-    axes[0].legend(frameon=False, fontsize=9)
+    axes[0].legend(frameon=False, fontsize=SMALLEST_PT)
     axes[1].plot([], [], "k--", linewidth=1, label="Ψ/N, nothing padded")
     axes[1].plot([], [], "k-", linewidth=1.5, label="with the padding")
     axes[1].plot([], [], "ko", markersize=4, markerfacecolor="none", label="measured")
     handles = axes[1].get_legend_handles_labels()
     keep = [i for i, name in enumerate(handles[1]) if name not in strategies]
     axes[1].legend([handles[0][i] for i in keep], [handles[1][i] for i in keep],
-                   frameon=False, fontsize=9)
+                   frameon=False, fontsize=SMALLEST_PT)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

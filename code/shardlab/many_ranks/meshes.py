@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlab.comm import Ledger, label_link, per_link
+from shardlab.comm import UNLABELLED, Ledger, label_link, per_link
 from shardlab.fsdp import FSDP2_OPTIONS, fully_shard_on
 from shardlab.many_ranks.formulas import INTER, INTRA, predicted
 from shardlab.models import GENERATOR_LOCK, MLP, GPTConfig
@@ -143,6 +143,8 @@ def tensor_parallel_hsdp(replicas: int, shard: int, tp: int, hidden: int, rows: 
     every = torch.stack(losses)
     dist.all_reduce(every)
     sent = {link: totals["sent_bytes"] for link, totals in per_link(ledger.records).items()}
+    for group in groups.values():  # the names are reused by the next world of this process
+        label_link(group, UNLABELLED)
     return {"coordinates": (r, s, t),
             "losses": (every / dist.get_world_size()).tolist(),
             "params": {k: v.clone() for k, v in wrapped.full_parameters().items()},
