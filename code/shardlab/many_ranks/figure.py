@@ -43,7 +43,7 @@ def bytes_against_world(rows: Sequence[dict], unit: str = "KB", title: str = "")
                     color=color, markersize=4, markerfacecolor="none")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ticks = [n for n in (2, 8, 32, 128, 512, 1024)
+        ticks = [n for n in (2, 8, 32, 128, 1024)
                  if min(r["world"] for r in rows) <= n <= max(r["world"] for r in rows)]
         ax.set_xticks(ticks, [f"{n:,}" for n in ticks])
         ax.set_xlabel("N, ranks")
