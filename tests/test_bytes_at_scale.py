@@ -7,7 +7,8 @@ fake process group), measured on the strategies' own code, against the formulas.
 * the planner's uneven-split term (`memory.dim0_states`): the course's FSDP2 pads every
   rank alike, PyTorch's `fully_shard` keeps Adam's states of the rows that exist, so its
   last rank holds less: both as the planner says, rank by rank;
-* HSDP's meshes 2 x 4 and 4 x 16: the bytes on each link are chapter 5's formula;
+* HSDP's meshes 2 x 4 and 4 x 16: the bytes on each link are HSDP's formula
+  (`comm.hsdp_volume_per_link`);
 * padding's cost passes 1% of the course's formula where the formula says.
 """
 
@@ -82,7 +83,7 @@ def test_the_planners_uneven_split_rank_by_rank(gpt, world, rank):
 
 
 @pytest.mark.parametrize("replicas,shard", [(2, 4), (4, 16)])
-def test_hsdp_meshes_send_chapter_5s_bytes_on_each_link(gpt, replicas, shard):
+def test_hsdp_meshes_send_the_formulas_bytes_on_each_link(gpt, replicas, shard):
     options = {"shard_group": shard}
     world = replicas * shard
     for rank in (0, world - 1):

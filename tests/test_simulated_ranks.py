@@ -164,7 +164,7 @@ def test_one_simulated_world_at_a_time_and_none_inside_a_rank():
 def test_hsdp_of_the_tensor_parallel_mlp_on_a_2x2x2_mesh():
     """FSDP2 over the shard dimension, replicas over the first, Megatron's MLP over the
     last: the unsplit MLP's losses and parameters, and each dimension's bytes those of
-    chapters 5 and 7."""
+    `tensor_parallel.tensor_parallel_bytes` and of HSDP."""
     hidden, rows, steps = 16, 32, 3
     results = launch_threads(tensor_parallel_hsdp, 8, 2, 2, 2, hidden, rows, steps)
     losses, params = unsplit_mlp_run(hidden, rows, steps)
