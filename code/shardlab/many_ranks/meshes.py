@@ -12,9 +12,10 @@ to the dimension they cross.
 What each dimension sends is the arithmetic of tensor parallelism and of HSDP on the
 piece a rank holds: 2 x 2(T-1)/T of the activations over "tp"; FSDP's 3(S-1)/S of the
 tensor-parallel piece over "shard"; 2(R-1)/R of its 1/S over "replicate"
-(`expected_bytes`, padding included, as `shardlab.many_ranks.formulas` counts it). `tensor_parallel_hsdp` trains it
-with real values on ranks that are threads (`shardlab.many_ranks.threads`), beside the
-unsplit MLP on the whole batch (`unsplit_mlp_run`): the same losses and parameters.
+(`expected_bytes`, padding included, as `shardlab.many_ranks.formulas` counts it).
+`tensor_parallel_hsdp` trains it with real values on ranks that are threads
+(`shardlab.many_ranks.threads`), beside the unsplit MLP on the whole batch
+(`unsplit_mlp_run`): the same losses and parameters.
 
 HSDP alone, R x S with T = 1, is the `hsdp` strategy (option `shard_group` = S).
 """
@@ -130,8 +131,8 @@ def tensor_parallel_hsdp(replicas: int, shard: int, tp: int, hidden: int, rows: 
     with Ledger() as ledger:
         for step in range(steps):
             x, y = batch(step, rows, hidden, seed)
-            # in a network the MLP's input comes from the layers before it, whose
-            # gradient needs the input's: Megatron's second all-reduce (as `tensor_parallel.mlp_traffic`)
+            # in a network the MLP's input comes from the layers before it, whose gradient
+            # needs the input's: Megatron's second all-reduce (as in `mlp_traffic`)
             loss = F.mse_loss(wrapped.model(x[mine].requires_grad_()), y[mine])
             loss.backward()
             wrapped.optimizer.step()
