@@ -44,7 +44,7 @@ LAYERS = {
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "loop_concerns", "train", "workers", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "workers", "cli", "__main__", "hang_runs"},
 }
 
 
