@@ -14,7 +14,8 @@ import threading
 
 import shardlab.train as loop
 from shardlab.models import sample_ids
-from shardlab.train import TrainConfig, train_worker
+from shardlab.config import TrainConfig
+from shardlab.train import train_worker
 
 
 @contextlib.contextmanager

@@ -54,11 +54,26 @@ def test_every_chapter_notebook_installs_the_course_from_the_one_site_setting():
     assert any("extras=('deepspeed',)" in source for source, _ in cells.values())
 
 
+def test_every_lab_installs_the_course_and_its_graders_from_the_one_site_setting():
+    """The chapters' cell, with the unpacked labs folder on the path (the graders) and no
+    myst-nb (the labs glue nothing); DeepSpeed where the lab runs it (lab 5)."""
+    site = colab_install.course_site()
+    cells = {name: cell for name, cell in install_cells().items() if name.startswith("labs/")}
+    assert len(cells) >= 11
+    for name, (source, rest) in cells.items():
+        extras = colab_notebooks.package_extras(rest)
+        assert source == colab_install.cell_source(site, extras, labs=True), name
+    assert colab_notebooks.package_extras(cells["labs/05-stage-by-stage.ipynb"][1]) == \
+        ("deepspeed",)
+
+
 # What no file of the course may install from, or send a reader to: a repository (git+,
-# a clone, a Colab or Binder launch into GitHub). The course publishes its package and
-# notebooks itself (`tools/colab_install.py`).
+# a clone, a Colab or Binder launch into GitHub), or the package index's `shardlab`, a name
+# the course does not hold. The course publishes its package and notebooks itself
+# (`tools/colab_install.py`).
 FOREIGN = re.compile(r"git\+https?://|git clone|colab\.research\.google\.com/github/|"
-                     r"mybinder\.org/v2/gh/|github\.com/shardlab")
+                     r"mybinder\.org/v2/gh/|github\.com/shardlab|"
+                     r"pip install (?:-\S+ )*['\"]?shardlab\b")
 
 
 def tracked_text_files() -> list[Path]:
@@ -77,9 +92,6 @@ def test_no_file_installs_from_or_launches_into_a_repository():
     assert found == []
 
 
-@pytest.mark.xfail(strict=True, reason="the labs' install cells still clone and install "
-                                       "from a repository; their cell is "
-                                       "colab_install.cell_source(..., labs=True)")
 def test_no_lab_installs_from_a_repository():
     found = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "labs").glob("*.ipynb"))
              if FOREIGN.search(f.read_text())]

@@ -41,8 +41,6 @@ from shardlab.clip import GradClip
 from shardlab.launch.devices import rank_device
 from shardlab.measure import local_tensor
 from shardlab.optimizers import OptimizerSpec, build_optimizer, inner_optimizer
-# Lab 10 still imports `optimizer_spec` from here; it is defined in `shardlab.optimizers`.
-from shardlab.optimizers import optimizer_spec  # noqa: F401
 from shardlab.precision import Precision
 from shardlab.vocabulary import did_you_mean
 

@@ -41,7 +41,6 @@ from shardlab import checkpoint
 from shardlab.cards import card
 from shardlab.comm.compat import all_gather_into
 from shardlab.comm.ledger import simulated_network
-# (labs 3 to 10 still import `TrainConfig` from here too; it is defined in `shardlab.config`)
 from shardlab.config import TrainConfig, checkpoint_folders_locked
 from shardlab.launch.devices import placement, rank_device
 from shardlab.launch.errors import RankFailed
@@ -56,8 +55,6 @@ from shardlab.models import (GENERATOR_LOCK, build_model, get_batch, global_toke
 from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.report import RunReport
-# Labs 4 and 6 still import `median_step_time` from here; it is defined in `shardlab.report`.
-from shardlab.report import median_step_time  # noqa: F401
 from shardlab.step import train_step
 from shardlab.steptime import datasheet_peak, matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters
