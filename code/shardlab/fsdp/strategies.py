@@ -174,8 +174,11 @@ def torch_fully_shard_on(mesh, model: nn.Module, precision: Precision,
     model = apply_fsdp2(model, precision, options,
                         lambda m, **kw: torch_fully_shard(m, mesh=mesh, **kw), TorchMP,
                         TorchOffload)
+    # a whole matrix is cut among the shard dimension's ranks (the mesh's last: HSDP's
+    # replicas each hold all of it)
     opt = optimizer.build([p for p in model.parameters() if p.requires_grad],
-                          places=lambda: dtensor_places(model), group=mesh.get_group())
+                          places=lambda: dtensor_places(model),
+                          group=mesh.get_group(mesh_dim=mesh.ndim - 1))
 
     def full_parameters():
         # cloned: over a shard dimension of one rank (HSDP with S = 1) full_tensor() is
