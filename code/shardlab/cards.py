@@ -162,12 +162,14 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
     StrategyCard(
         "fsdp2", "shardlab.fsdp:wrap_fsdp2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
-        shards_on_meta=True, volume_factor=3, collectives=GATHER_TWICE,
+        shards_on_meta=True, launch_check="shardlab.fsdp.strategies:check_options_before_launch",
+        volume_factor=3, collectives=GATHER_TWICE,
         schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True),
     StrategyCard(
         "torch-fsdp2", "shardlab.fsdp:wrap_torch_fsdp2", PYTORCH,
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
-        shards_on_meta=True, clips_by_own_library=True, volume_factor=3,
+        shards_on_meta=True, launch_check="shardlab.fsdp.strategies:check_options_before_launch",
+        clips_by_own_library=True, volume_factor=3,
         collectives=GATHER_TWICE,
         # its backward prefetches the next unit's all-gather (FSDP2's default)
         schedule={"all_gather": (("forward", "waited"), ("backward", "prefetched")),
