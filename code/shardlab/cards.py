@@ -56,6 +56,9 @@ GATHER_TWICE = ("all-gather of the parameters in forward (Ψ) and in backward (�
                 "+ reduce-scatter of the gradients (Ψ)")
 HYBRID = ("inside the shard group of S ranks, " + GATHER_TWICE + " over S; across the N/S "
           "replicas, all-reduce of each gradient shard (Ψ/S)")
+ZEROPP = ("all-gather of the weights in int8 in forward, over all ranks (qwZ); in backward, "
+          "inside the node (hpZ); gradients in int4 by an all-to-all inside the node, then "
+          "one across nodes (qgZ)")
 
 DEEPSPEED_CHECKPOINTS = ("DeepSpeed writes its own checkpoints: call "
                          "wrapped.model.save_checkpoint(folder) and load_checkpoint(folder) "
@@ -183,6 +186,10 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         "torch-hsdp", "shardlab.hsdp:wrap_torch_hsdp", PYTORCH, takes_units=True,
         launch_check="shardlab.hsdp:check_options_before_launch",
         clips_by_own_library=True, labels_own_links=True, collectives=HYBRID),
+    StrategyCard(
+        "zeropp", "shardlab.zeropp:wrap_zeropp", OURS, zero_stage=3, takes_units=True,
+        launch_check="shardlab.zeropp.strategy:check_options_before_launch",
+        labels_own_links=True, collectives=ZEROPP),
     StrategyCard(
         "deepspeed-zero1", "shardlab.deepspeed_ref:wrap_deepspeed_zero1", DEEPSPEED,
         zero_stage=1, checkpoint_refusal=DEEPSPEED_CHECKPOINTS, clips_by_own_library=True),

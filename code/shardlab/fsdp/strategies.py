@@ -68,8 +68,8 @@ def check_fsdp2_options(strategy: str, options: dict, shard_size: int,
     options = check_options(strategy, options, FSDP2_OPTIONS)
     check_reshard_size(options["reshard_after_forward"], shard_size)
     prefetch = options["prefetch"]
-    if not (prefetch in (False, True, "backward") or (
-            isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 1)):
+    if not (isinstance(prefetch, bool) or prefetch == "backward" or (
+            isinstance(prefetch, int) and prefetch >= 1)):
         raise ValueError(f"strategy {strategy!r}: prefetch must be False, 'backward' (FSDP2's "
                          f"default), True or a number of units ahead >= 1, got {prefetch!r}")
     if options["accumulate"] not in ACCUMULATE:
