@@ -169,6 +169,7 @@ def wrap_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     """Ours. options: wrap (a policy of `shardlab.wrap`), reshard_after_forward, prefetch,
     accumulate, reshard_after_backward (the module's docstring), offload
     (CPUOffloadPolicy), reduce_dtype ("fp32" or "bf16", under "bf16-mixed")."""
+    check_options("fsdp2", options, FSDP2_OPTIONS)  # names first: before any collective
     options = check_fsdp2_options("fsdp2", options, dist.get_world_size())
     return fully_shard_on(model, precision, optimizer, options)
 
@@ -234,6 +235,7 @@ def wrap_torch_fsdp2(model: nn.Module, precision: Precision, optimizer: Optimize
     mesh over all ranks, with the same options mapped to PyTorch's policies."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    check_options("torch-fsdp2", options, FSDP2_OPTIONS)  # names first: before any collective
     options = check_fsdp2_options("torch-fsdp2", options, dist.get_world_size())
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     return torch_fully_shard_on(mesh, model, precision, optimizer, options)

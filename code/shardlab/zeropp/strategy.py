@@ -36,7 +36,7 @@ from shardlab.zeropp.collectives import QuantizedAllGather, QuantizedReduceScatt
 from shardlab.zeropp.quantize import check_block
 
 ZEROPP_OPTIONS = {"wrap": "auto", "node_size": None, "qwz": True, "hpz": True, "qgz": True,
-                  "weight_block": 2048, "gradient_block": 2048, "reduce_dtype": "fp32"}
+                  "weight_block": 2048, "gradient_block": 1024, "reduce_dtype": "fp32"}
 
 
 def check_zeropp_options(options: dict, world: int) -> dict:
