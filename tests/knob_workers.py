@@ -15,7 +15,6 @@ import copy
 import time
 from contextlib import nullcontext
 
-import torch
 import torch.distributed as dist
 
 from sharded_workers import OPTIMIZERS

@@ -50,7 +50,7 @@ def test_every_answer_is_folded_in_the_book_in_jupyter_and_in_colab(lab):
 
 GRADED_LABS = ["02-build-a-ring", "03-predict-then-measure", "04-ddp-from-the-inside",
                "05-stage-by-stage", "06-fsdp2-beside-pytorch", "07-crash-and-resume",
-               "09-your-own-model", "10-pretrained-into-shards"]
+               "09-your-own-model", "10-pretrained-into-shards", "13-accumulation"]
 
 
 @pytest.mark.parametrize("name", GRADED_LABS)

@@ -199,10 +199,12 @@ class Peak:
     # Call between two forwards of one tracked step (gradient accumulation): PyTorch's
     # MemTracker follows one forward per module unless its module statistics are reset.
     next_forward: Any = lambda: None
-    # Gradient accumulation: the most held at those calls, between a micro-batch's
-    # backward and the next one's forward, when its activations are freed and what the
-    # strategy keeps across micro-batches (full gradients, gathered parameters) is held
-    # (on CUDA: allocated bytes, the micro-batch's data included).
+    # Gradient accumulation: what is held at those calls, between a micro-batch's backward
+    # and the next one's forward, when its activations are freed and what the strategy
+    # keeps across micro-batches (full gradients, gathered parameters) is held (on CUDA:
+    # allocated bytes, the micro-batch's data included). The least over the step's
+    # boundaries, which hold the same in a steady step: a collective's input that gloo's
+    # thread has not let go of yet shows at one boundary, not at every one.
     between: int = 0
 
 
@@ -234,7 +236,8 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         torch.cuda.reset_peak_memory_stats(device)
 
         def held_now() -> None:
-            peak.between = max(peak.between, int(torch.cuda.memory_allocated(device)))
+            held = int(torch.cuda.memory_allocated(device))
+            peak.between = min(peak.between, held) if peak.between else held
 
         peak.next_forward = held_now
         yield peak
@@ -280,8 +283,8 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
         # is the data (`models.get_batch` builds its rows from a 1 MB tensor of the corpus
         # that MemTracker never sees freed), not the strategy's.
         held = next(iter(tracker.get_tracker_snapshot("current").values()), {})
-        held_bytes = int(held.get("Total", 0)) - int(held.get("Activation", 0))
-        peak.between = max(peak.between, held_bytes + buckets)
+        held_bytes = int(held.get("Total", 0)) - int(held.get("Activation", 0)) + buckets
+        peak.between = min(peak.between, held_bytes) if peak.between else held_bytes
         tracker.reset_mod_stats()
 
     peak.next_forward = next_forward

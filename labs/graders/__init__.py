@@ -24,6 +24,7 @@ its catalogue, which must fail with its own hint.
     checkpoint.py       lab 7: a sharded checkpoint's save and load
     units.py            lab 9: which parameters each fully_shard unit shards
     rows.py             lab 10: this rank's rows of a safetensors file
+    accumulation.py     lab 13: ZeRO-1 with fully_shard's knobs, micro-batch by micro-batch
     predictions.py      the check under a lab's "Predict": yours beside the run's
     solutions.py        the labs' worked solutions, read from the notebooks (for pytest)
 """

@@ -1,7 +1,7 @@
 """Each grader passes its lab's worked solution, rejects every typical mistake of its catalogue
 (`graders/wrong.py`) with that mistake's own hint, and rejects the wrong answers its rules
 catch, in one launch per exercise: `pytest labs/graders -k ring` (or ddp, zero1, fsdp_unit,
-checkpoint, rows, units).
+checkpoint, rows, units, accumulation).
 
 The solutions are read from the labs' solution cells (graders/solutions.py), so what is
 graded here is what a reader reveals."""
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from graders import checkpoint, ddp, fsdp_unit, ring, rows, solutions, units, wrong, zero1
+from graders import (accumulation, checkpoint, ddp, fsdp_unit, ring, rows, solutions, units,
+                     wrong, zero1)
 from graders.common import PASS, grade_on_ranks
 
 EXERCISES = {
@@ -34,6 +35,8 @@ EXERCISES = {
              "rank 0, embed.weight: returned shape (2, 4), fully_shard's shard has (3, 4)"),
     "units": (units, 2, "09-your-own-model.ipynb", ("my_units",), wrong.UNITS, {},
               "hf-gpt2: unit 0 has"),
+    "accumulation": (accumulation, 2, "13-accumulation.ipynb", ("zero1_step",),
+                     wrong.ACCUMULATION, {}, "rank 0, step 0: 3 all-gathers and 0 reduce-scatters"),
 }
 
 
