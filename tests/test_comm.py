@@ -180,4 +180,4 @@ def test_bad_arguments_are_refused_before_communicating():
     with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
         comm.volume_per_rank("zero4", 10, 2)
     with pytest.raises(ValueError, match="unknown collective"):
-        comm.ring_traffic("all_to_all", 10, 2, 4)
+        comm.ring_traffic("scatter", 10, 2, 4)

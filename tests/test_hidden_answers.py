@@ -50,7 +50,7 @@ def test_every_answer_is_folded_in_the_book_in_jupyter_and_in_colab(lab):
 
 GRADED_LABS = ["02-build-a-ring", "04-ddp-from-the-inside", "05-stage-by-stage",
                "06-fsdp2-beside-pytorch", "07-crash-and-resume", "09-your-own-model",
-               "10-pretrained-into-shards", "11-predict-the-step", "12-muon-owner"]
+               "10-pretrained-into-shards", "11-predict-the-step", "12-muon-owner", "14-accumulation"]
 
 
 @pytest.mark.parametrize("name", GRADED_LABS)

@@ -59,6 +59,9 @@ WHOLE_ON_EVERY_RANK = ("whole",)
 
 HYBRID = ("inside the shard group of S ranks, " + GATHER_TWICE + " over S; across the N/S "
           "replicas, all-reduce of each gradient shard (Ψ/S)")
+ZEROPP = ("all-gather of the weights in int8 in forward, over all ranks (qwZ); in backward, "
+          "inside the node (hpZ); gradients in int4 by an all-to-all inside the node, then "
+          "one across nodes (qgZ)")
 
 DEEPSPEED_CHECKPOINTS = ("DeepSpeed writes its own checkpoints: call "
                          "wrapped.model.save_checkpoint(folder) and load_checkpoint(folder) "
@@ -177,13 +180,15 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
     StrategyCard(
         "fsdp2", "shardlab.fsdp:wrap_fsdp2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
-        shards_on_meta=True, volume_factor=3, collectives=GATHER_TWICE,
+        shards_on_meta=True, launch_check="shardlab.fsdp.strategies:check_options_before_launch",
+        volume_factor=3, collectives=GATHER_TWICE,
         schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True,
         muon_designs=("gather", "owner")),
     StrategyCard(
         "torch-fsdp2", "shardlab.fsdp:wrap_torch_fsdp2", PYTORCH,
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
-        shards_on_meta=True, clips_by_own_library=True, volume_factor=3,
+        shards_on_meta=True, launch_check="shardlab.fsdp.strategies:check_options_before_launch",
+        clips_by_own_library=True, volume_factor=3,
         collectives=GATHER_TWICE,
         # its backward prefetches the next unit's all-gather (FSDP2's default)
         schedule={"all_gather": (("forward", "waited"), ("backward", "prefetched")),
@@ -197,6 +202,10 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         "torch-hsdp", "shardlab.hsdp:wrap_torch_hsdp", PYTORCH, takes_units=True,
         launch_check="shardlab.hsdp:check_options_before_launch",
         clips_by_own_library=True, labels_own_links=True, collectives=HYBRID),
+    StrategyCard(
+        "zeropp", "shardlab.zeropp:wrap_zeropp", OURS, zero_stage=3, takes_units=True,
+        launch_check="shardlab.zeropp.strategy:check_options_before_launch",
+        labels_own_links=True, collectives=ZEROPP),
     StrategyCard(
         "deepspeed-zero1", "shardlab.deepspeed_ref:wrap_deepspeed_zero1", DEEPSPEED,
         zero_stage=1, checkpoint_refusal=DEEPSPEED_CHECKPOINTS, clips_by_own_library=True),

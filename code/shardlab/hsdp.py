@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm.links import INTER, INTRA, label_link
-from shardlab.fsdp.strategies import FSDP2_OPTIONS, fully_shard_on, torch_fully_shard_on
+from shardlab.fsdp.strategies import (FSDP2_OPTIONS, check_fsdp2_options, fully_shard_on,
+                                      torch_fully_shard_on)
 from shardlab.launch.devices import rank_device
 from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import Precision
@@ -37,7 +38,8 @@ HSDP_OPTIONS = {**FSDP2_OPTIONS, "shard_group": None}
 
 def check_shard_group(strategy: str, options: dict, world: int) -> dict:
     """The options merged with their defaults, or a one-line refusal: S must be a whole
-    number >= 1 that divides the world size (every group holds S ranks)."""
+    number >= 1 that divides the world size (every group holds S ranks); FSDP2's options
+    are checked over the S ranks of a shard group, with N/S replicas."""
     options = check_options(strategy, options, HSDP_OPTIONS)
     size = options["shard_group"]
     if size is None:
@@ -49,7 +51,8 @@ def check_shard_group(strategy: str, options: dict, world: int) -> dict:
         raise ValueError(f"strategy {strategy!r}: shard_group must be a whole number >= 1 "
                          f"that divides the world size {world}, got {size!r}; use one of "
                          f"{[d for d in range(1, world + 1) if world % d == 0]}")
-    return options
+    fsdp2 = {k: v for k, v in options.items() if k != "shard_group"}
+    return {**check_fsdp2_options(strategy, fsdp2, size, world // size), "shard_group": size}
 
 
 def _a_divisor(world: int) -> int:

@@ -121,6 +121,8 @@ class Measurement:
                      **{k: int(v) for k, v in tracked.by_category.items()}}
         if tracked.reserved:  # CUDA: the allocator's reserved peak beside allocated
             self.peak["reserved"] = int(tracked.reserved)
+        if tracked.between:  # gradient accumulation: held across micro-batches
+            self.peak["between_micro_batches"] = int(tracked.between)
         if limit_watch is not None and limit_watch.crossing is not None:
             limit_watch.crossing.step = step
             self.crossing = str(limit_watch.crossing)

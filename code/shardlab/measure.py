@@ -199,6 +199,13 @@ class Peak:
     # Call between two forwards of one tracked step (gradient accumulation): PyTorch's
     # MemTracker follows one forward per module unless its module statistics are reset.
     next_forward: Any = lambda: None
+    # Gradient accumulation: what is held at those calls, between a micro-batch's backward
+    # and the next one's forward, when its activations are freed and what the strategy
+    # keeps across micro-batches (full gradients, gathered parameters) is held (on CUDA:
+    # allocated bytes, the micro-batch's data included). The least over the step's
+    # boundaries, which hold the same in a steady step: a collective's input that gloo's
+    # thread has not let go of yet shows at one boundary, not at every one.
+    between: int = 0
 
 
 # MemTracker's names -> ours
@@ -227,6 +234,12 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+        def held_now() -> None:
+            held = int(torch.cuda.memory_allocated(device))
+            peak.between = min(peak.between, held) if peak.between else held
+
+        peak.next_forward = held_now
         yield peak
         torch.cuda.synchronize(device)
         peak.device = str(device)
@@ -259,12 +272,22 @@ def track_peak(*holders: Any) -> Iterator[Peak]:
             other.append(local_tensor(t))
             moved[category] += nbytes
     tracker.track_external(*modules, _DeclaredState(optimizer_tensors), *other)
-    peak.next_forward = tracker.reset_mod_stats
     # DDP's buckets live through the whole step in C++, allocated before it and, with
     # gradient_as_bucket_view=True, bound to the `.grad` in C++ too: MemTracker, which
     # follows the tensors Python creates and the gradients autograd accumulates, never
     # meets them (measured on torch 2.13: its peak is the same without them). Add them.
     buckets = sum(ddp_bucket_bytes(m) for m in {id(m): m for m in modules}.values())
+
+    def next_forward() -> None:
+        # No activation is alive between micro-batches: what MemTracker files as one here
+        # is the data (`models.get_batch` builds its rows from a 1 MB tensor of the corpus
+        # that MemTracker never sees freed), not the strategy's.
+        held = next(iter(tracker.get_tracker_snapshot("current").values()), {})
+        held_bytes = int(held.get("Total", 0)) - int(held.get("Activation", 0)) + buckets
+        peak.between = min(peak.between, held_bytes) if peak.between else held_bytes
+        tracker.reset_mod_stats()
+
+    peak.next_forward = next_forward
     with tracker:
         yield peak
     snap = tracker.get_tracker_snapshot("peak")

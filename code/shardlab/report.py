@@ -67,7 +67,10 @@ class RunReport:
     `state_bytes` is measured after the last step's `optimizer.step()` and before its
     `zero_grad()`, when parameters, gradients and optimizer states all exist. `peak` is
     the peak of the last step (tracked, which slows that step: `step_times[-1]` is not a
-    timing to use; neither is `step_times[0]`, which pays for warm-up).
+    timing to use; neither is `step_times[0]`, which pays for warm-up): "total", its
+    categories, "reserved" on CUDA, and under gradient accumulation "between_micro_batches",
+    what is held between a micro-batch's backward and the next one's forward
+    (`shardlab.measure.Peak.between`).
 
     The timestamps are `time.perf_counter()` seconds of this rank: `step_starts[i]` when
     step i began, `phases[i]` the `shardlab.trace.Span`s (what, begin, end) the loop's clock

@@ -24,7 +24,8 @@ its catalogue, which must fail with its own hint.
     checkpoint.py       lab 7: a sharded checkpoint saved on 2 ranks, loaded on 3
     units.py            lab 9: which parameters each fully_shard unit shards
     rows.py             lab 10: this rank's rows of a safetensors file
-    muon_owner.py       lab 11: Muon's owner design, the step of one matrix
+    muon_owner.py       lab 12: Muon's owner design, the step of one matrix
+    accumulation.py     lab 14: ZeRO-1 with fully_shard's knobs, micro-batch by micro-batch
     predictions.py      the check under a lab's "Predict": yours beside the run's
     solutions.py        the labs' worked solutions, read from the notebooks (for pytest)
 """

@@ -1,7 +1,7 @@
 """Each grader passes its lab's worked solution, rejects every typical mistake of its catalogue
 (`graders/wrong.py`) with that mistake's own hint, and rejects the wrong answers its rules
 catch, in one launch per exercise: `pytest labs/graders -k ring` (or ddp, zero1, fsdp_unit,
-checkpoint, rows, units, muon_owner).
+checkpoint, rows, units, muon_owner, accumulation).
 
 The solutions are read from the labs' solution cells (graders/solutions.py), so what is
 graded here is what a reader reveals."""
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from graders import (checkpoint, ddp, fsdp_unit, muon_owner, ring, rows, solutions, units,
+from graders import (accumulation, checkpoint, ddp, fsdp_unit, muon_owner, ring, rows,
+                     solutions, units,
                      wrong, zero1)
 from graders.common import PASS, grade_on_ranks
 
@@ -42,6 +43,8 @@ EXERCISES = {
                                              "1x; the owner (rank 1) runs it, once",
                     wrong.owner_step_broadcast: "bytes, the owner design sends"},
                    "rank 0, rows layout (6, 4): element 0 (bytes 0-1)"),
+    "accumulation": (accumulation, 2, "14-accumulation.ipynb", ("zero1_step",),
+                     wrong.ACCUMULATION, {}, "rank 0, step 0: 3 all-gathers and 0 reduce-scatters"),
 }
 
 

@@ -612,3 +612,62 @@ MUON_OWNER = [
             "looks like the owner left its own piece out of the matrix it orthogonalized: copy "
             "it into place before Newton-Schulz"),
 ]
+
+
+# --- accumulation (lab 14): ZeRO-1 with fully_shard's knobs --------------------------------
+
+def _accumulate(model, optimizer, micro_batches, knobs):
+    """The step's loop, with `knobs(is_last)` setting FSDP2's knobs before each micro-batch."""
+    from shardlab.models import loss_fn
+    for i, (x, y) in enumerate(micro_batches):
+        knobs(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y) / len(micro_batches)
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def zero1_never_syncs(model, optimizer, micro_batches):
+    """Gradient sync off on every micro-batch, the last one too."""
+    def knobs(last):
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(last)
+    _accumulate(model, optimizer, micro_batches, knobs)
+
+
+def zero1_never_reshards(model, optimizer, micro_batches):
+    """Reshard after backward off on every micro-batch, the last one too."""
+    def knobs(last):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(False)
+    _accumulate(model, optimizer, micro_batches, knobs)
+
+
+def zero1_syncs_every_micro_batch(model, optimizer, micro_batches):
+    """The parameters kept gathered, but the gradients reduced every micro-batch: ZeRO-2."""
+    _accumulate(model, optimizer, micro_batches,
+                lambda last: model.set_reshard_after_backward(last))
+
+
+def zero1_gathers_every_micro_batch(model, optimizer, micro_batches):
+    """The gradients reduced once, but the parameters freed after every backward."""
+    _accumulate(model, optimizer, micro_batches,
+                lambda last: model.set_requires_gradient_sync(last))
+
+
+ACCUMULATION = [
+    Mistake(zero1_never_syncs,
+            "looks like gradient sync is off on the last micro-batch too: no gradient ever "
+            "reaches the shards the optimizer steps (set_requires_gradient_sync(True) on the "
+            "last)"),
+    Mistake(zero1_never_reshards,
+            "looks like the parameters stay gathered after the last micro-batch: the optimizer "
+            "steps the shards, and the next step computes with the old gathered copy "
+            "(set_reshard_after_backward(True) on the last)"),
+    Mistake(zero1_syncs_every_micro_batch,
+            "looks like ZeRO-2: the gradients are reduce-scattered every micro-batch "
+            "(set_requires_gradient_sync(False) on all but the last)"),
+    Mistake(zero1_gathers_every_micro_batch,
+            "looks like the parameters are freed after each backward and gathered again for the "
+            "next micro-batch (set_reshard_after_backward(False) on all but the last)"),
+]

@@ -8,7 +8,8 @@ One idea, *what a collective costs*, in a file per part, so that each reads alon
                  with its bytes, its launch, its completion and the waits for it
     records.py   what a record holds, `ring_traffic` (the bytes it counts), and the sums
     volumes.py   the ZeRO paper's volumes and the α-β cost model of a ring, one (α, β)
-                 per link past one node; HSDP's two lanes as FSDP2 overlaps them
+                 per link past one node; HSDP's two lanes as FSDP2 overlaps them; the
+                 bytes of an optimizer step under gradient accumulation; ZeRO++'s by link
     compat.py    `all_gather_into` / `reduce_scatter_into` over torch's renamed collectives
     links.py     which link a collective crosses (its group's label), and a slower network
                  simulated on one machine: `throttle_link` (a sleep on the calling thread)
@@ -36,10 +37,12 @@ from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_s
                                    ring_traffic, totals)
 from shardlab.comm.ring import (check_same_tensor, ring_all_gather, ring_all_reduce,
                                 ring_broadcast, ring_reduce_scatter)
-from shardlab.comm.volumes import (HsdpSeconds, Link,
-                                   fit_alpha_beta, fsdp_step_seconds, hsdp_overlap,
-                                   hsdp_step_seconds, hsdp_volume_per_link, predict_seconds,
-                                   volume_per_rank)
+from shardlab.comm.volumes import (HsdpSeconds, Link, data_parallel_accumulation_volume,
+                                   fit_alpha_beta, fsdp_accumulation_volume, fsdp_step_seconds,
+                                   hsdp_overlap, hsdp_step_seconds, hsdp_volume_per_link,
+                                   predict_seconds, sharded_collectives_per_step,
+                                   volume_per_rank, zeropp_bytes_leaving_node,
+                                   zeropp_volume_per_link)
 
 __all__ = [
     "all_gather_into", "reduce_scatter_into", "ring_reduce_scatter", "ring_all_gather",
@@ -51,4 +54,6 @@ __all__ = [
     "throttle_link", "unthrottle_link", "Throttle", "UNLABELLED", "INTRA", "INTER", "hsdp_volume_per_link",
     "Link", "fsdp_step_seconds", "hsdp_step_seconds", "HsdpSeconds", "hsdp_overlap",
     "SimulatedNetwork", "simulate_network", "simulated_network", "unsimulate_network", "wires",
+    "sharded_collectives_per_step", "fsdp_accumulation_volume",
+    "data_parallel_accumulation_volume", "zeropp_volume_per_link", "zeropp_bytes_leaving_node",
 ]

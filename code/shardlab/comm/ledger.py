@@ -143,6 +143,9 @@ _NATIVE = {
     "reduce_scatter_tensor_coalesced_":
         lambda a: ("reduce_scatter", a[1], _numel(a[1]), a[2], 0),
     "broadcast_": lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
+    # all-to-all (ZeRO++'s qgZ): the numel is one rank's input, cut into equal parts
+    "alltoall_base_": lambda a: ("all_to_all", a[1], a[1].numel(), a[2], 0),
+    "alltoall_": lambda a: ("all_to_all", a[1], _numel(a[1]), a[2], 0),
     "reduce_": lambda a: ("reduce", a[0], _numel(a[0]), a[1], a[3]),
     "send": lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
     "recv_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),

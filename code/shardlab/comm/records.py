@@ -65,6 +65,8 @@ def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
     cut into N pieces that flow down the chain src -> src+1 -> ... (N+N-2 rounds); every
     rank but the last forwards the whole tensor, every rank but src receives it. Reduce (to
     src): a reduce-scatter, then one round in which every other rank sends src its chunk.
+    All-to-all (`numel` is one rank's input, cut into N equal parts): N-1 rounds of a
+    pairwise exchange, one part to each other rank and one from each.
     """
     op = op.removeprefix("ring_")
     if world == 1 or numel == 0:
@@ -84,11 +86,13 @@ def ring_traffic(op: str, numel: int, world: int, elem_size: int, rank: int = 0,
         gathered = (world - 1) * chunk if rank == src else 0
         return ((world - 1) * chunk + (chunk if rank != src else 0),
                 (world - 1) * chunk + gathered, world, chunk)
+    if op == "all_to_all":
+        return (world - 1) * chunk, (world - 1) * chunk, world - 1, chunk
     if op in ("send", "recv"):
         full = numel * elem_size
         return (full, 0, 1, full) if op == "send" else (0, full, 1, full)
     raise ValueError(f"unknown collective {op!r}; use one of reduce_scatter, all_gather, "
-                     f"all_reduce, broadcast, reduce, send, recv")
+                     f"all_reduce, broadcast, reduce, all_to_all, send, recv")
 
 
 _SUMMED = ("logical_bytes", "sent_bytes", "received_bytes", "seconds")

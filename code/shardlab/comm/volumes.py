@@ -189,3 +189,120 @@ def hsdp_step_seconds(unit_bytes: Iterable[int], world: int, shard_group: int,
     return HsdpSeconds(intra_node=2 * sum(gathers) + sum(scatters),
                        inter_node=sum(reduces),
                        overlapped=hsdp_overlap(gathers, zip(gathers, scatters, reduces)))
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+def sharded_collectives_per_step(micro_batches: int, reshard_after_forward: bool = True,
+                                 reshard_after_backward: bool = True,
+                                 accumulate: str = "no_sync") -> dict[str, int]:
+    """How many times, in one optimizer step of M micro-batches, FSDP2 all-gathers the
+    whole model, reduce-scatters its gradients and (HSDP) all-reduces them across replicas,
+    under its knobs (`shardlab.fsdp.strategies`; the micro-batches before the last run
+    with `reshard_after_backward` and `accumulate`, the last with every knob on):
+
+        all-gathers      2M with reshard after forward (forward and backward), M without,
+                         less M-1 without reshard after backward (the next forward finds
+                         the parameters gathered)
+        reduce-scatters  1 under "no_sync" (the last micro-batch), M otherwise
+        all-reduces      M under "sync", 1 otherwise (HSDP: "no_all_reduce" sums the
+                         reduced shards and all-reduces them once)
+    """
+    m = micro_batches
+    if m < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {m}")
+    if accumulate not in ("no_sync", "sync", "no_all_reduce"):
+        raise ValueError(f"accumulate must be 'no_sync', 'sync' or 'no_all_reduce', got "
+                         f"{accumulate!r}")
+    gathers = (2 * m if reshard_after_forward else m) - (0 if reshard_after_backward else m - 1)
+    return {"all_gather": gathers,
+            "reduce_scatter": 1 if accumulate == "no_sync" else m,
+            "all_reduce": m if accumulate == "sync" else 1}
+
+
+def fsdp_accumulation_volume(psi: int, world: int, micro_batches: int,
+                             bytes_per_elem: float = 1, *, shard_group: int | None = None,
+                             **knobs) -> float:
+    """Bytes one rank sends in one optimizer step of M micro-batches under FSDP2's knobs
+    (`sharded_collectives_per_step`), on rings: each all-gather and reduce-scatter moves
+    Ψ(S-1)/S over the S ranks of the shard group (S = N without HSDP), each all-reduce of
+    a gradient shard 2(R-1)/R·Ψ/S across the R = N/S replicas."""
+    size = world if shard_group is None else shard_group
+    if world % size:
+        raise ValueError(f"shard_group must divide world, got {size} and {world}")
+    counts = sharded_collectives_per_step(micro_batches, **knobs)
+    replicas = world // size
+    ring = psi * bytes_per_elem * (size - 1) / size
+    across = 2 * psi * bytes_per_elem / size * (replicas - 1) / replicas
+    return (counts["all_gather"] + counts["reduce_scatter"]) * ring \
+        + counts["all_reduce"] * across
+
+
+def data_parallel_accumulation_volume(strategy: str, psi: int, world: int,
+                                      micro_batches: int, bytes_per_elem: float = 1) -> float:
+    """Bytes one rank sends in one optimizer step of M micro-batches, on rings, for DDP
+    under `no_sync` (one all-reduce, 2Ψ(N-1)/N), ZeRO-1 (its reduce-scatter and all-gather
+    both in the step: 2Ψ(N-1)/N) and ZeRO-2 (a reduce-scatter each micro-batch, as its
+    backward produces the gradients, and one all-gather: (M+1)Ψ(N-1)/N)."""
+    ring = psi * bytes_per_elem * (world - 1) / world
+    factors = {"ddp": 2, "zero1": 2, "zero2": micro_batches + 1}
+    if strategy not in factors:
+        raise ValueError(f"strategy must be one of {list(factors)}, got {strategy!r} (FSDP2's "
+                         f"ways: fsdp_accumulation_volume)")
+    return factors[strategy] * ring
+
+
+# ----------------------------------------------------------------------------- ZeRO++
+
+
+def zeropp_volume_per_link(psi: int, world: int, node_size: int, bytes_per_elem: float = 2,
+                           *, qwz: bool = True, hpz: bool = True, qgz: bool = True,
+                           reduce_bytes: float | None = None) -> dict[str, float]:
+    """Bytes one rank sends per step under ZeRO++ {qwZ, hpZ, qgZ} (the paper's analysis,
+    Wang et al. 2023, section 4), by link, on N ranks in nodes of k: the weights are
+    gathered over all N ranks, a group that spans the nodes ("inter-node" once there are
+    two), in `bytes_per_elem` (the paper's fp16: 2) or int8 under qwZ (1); backward gathers
+    them again there, or inside the node under hpZ; the gradients are reduce-scattered
+    over all N in `reduce_bytes` (default: `bytes_per_elem`), or under qgZ in int4 (1/2 a
+    byte) by an all-to-all inside the node, (k-1)/k·Ψ, then one across nodes, (R-1)/R·Ψ/k.
+    Left out: the scales, 4 bytes per block (0.2% of int8's bytes at 2048 elements a
+    block, 0.4% of int4's)."""
+    if node_size < 1 or world % node_size:
+        raise ValueError(f"node_size must divide world, got {node_size} and {world}")
+    k, nodes = node_size, world // node_size
+    reduce_bytes = bytes_per_elem if reduce_bytes is None else reduce_bytes
+    across = "inter-node" if nodes > 1 else "intra-node"
+    weight = 1 if qwz else bytes_per_elem
+    ring_all, ring_node = psi * (world - 1) / world, psi * (k - 1) / k
+    out = {"intra-node": 0.0, "inter-node": 0.0}
+    out[across] += ring_all * weight                       # forward all-gather
+    if hpz:
+        out["intra-node"] += ring_node * weight           # backward, inside the node
+    else:
+        out[across] += ring_all * weight
+    if qgz:
+        out["intra-node"] += ring_node * 0.5              # hop 1: all-to-all in the node
+        out["inter-node"] += psi / k * (nodes - 1) / nodes * 0.5   # hop 2: across
+    else:
+        out[across] += ring_all * reduce_bytes
+    return out
+
+
+def zeropp_bytes_leaving_node(psi: int, world: int, node_size: int,
+                              bytes_per_elem: float = 2, *, qwz: bool = True,
+                              hpz: bool = True, qgz: bool = True,
+                              reduce_bytes: float | None = None) -> float:
+    """Bytes that leave one node per step, the paper's count (its Table 1: ZeRO-3's 3M
+    against ZeRO++'s 0.75M, M the model's fp16 bytes, as N grows). A ring over all N ranks
+    numbered node by node leaves each node once: one rank's ring bytes, (N-1)/N of the
+    tensor. qgZ's second hop leaves from every rank of the node: k × (R-1)/R·Ψ/k in int4.
+    So M(N-1)/N each for the gathers in int8 (/2) and bf16, and (R-1)/R·M/4 for qgZ."""
+    per_rank = zeropp_volume_per_link(psi, world, node_size, bytes_per_elem, qwz=qwz,
+                                      hpz=hpz, qgz=qgz, reduce_bytes=reduce_bytes)
+    if world == node_size:
+        return 0.0
+    hop2 = psi / node_size * (world // node_size - 1) / (world // node_size) * 0.5
+    if not qgz:
+        return per_rank["inter-node"]
+    return per_rank["inter-node"] - hop2 + node_size * hop2

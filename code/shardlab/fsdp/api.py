@@ -11,9 +11,13 @@ names. So the optimizer is built over `model.parameters()` as usual and `state_d
 keeps the names.
 
 What this module adds to the schedule is the API: the options (`reshard_after_forward`,
-`MixedPrecisionPolicy`, `CPUOffloadPolicy`), the methods PyTorch's `FSDPModule` has
-(`unshard`, `reshard`, prefetch and gradient-sync setters), and the helpers between
-sharded and full models. The strategies built on it are in `shardlab.fsdp.strategies`.
+a bool or an int, `MixedPrecisionPolicy`, `CPUOffloadPolicy`), the methods PyTorch's
+`FSDPModule` has (`unshard`, `reshard`, the prefetch, gradient-sync, all-reduce and
+reshard setters, custom collectives), and the helpers between sharded and full models.
+Each knob has PyTorch's name and meaning (`torch/distributed/fsdp/_fully_shard/`:
+`_fully_shard.py` for the methods, `_fsdp_param_group.py` for what they change) and
+PyTorch's default overlap: backward gathers the next unit ahead. The strategies built on
+it are in `shardlab.fsdp.strategies`.
 """
 
 from __future__ import annotations
@@ -68,21 +72,115 @@ class FSDPModule:
         self.sharded_unit().forward_prefetch = [_unit_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Start these modules' all-gathers when this module's backward starts."""
+        """Start these modules' all-gathers when this module's backward starts, in place
+        of the default (the unit before this one in post-forward order)."""
         self.sharded_unit().backward_prefetch = [_unit_of(m) for m in modules]
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool,
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
-        """False: keep accumulating full gradients locally (no reduce-scatter)."""
-        for m in (self.modules() if recurse else [self]):
-            for unit in m.__dict__.get("_sharded_units", []):
-                unit.requires_gradient_sync = requires_gradient_sync
+        """False: keep accumulating full gradients locally (no reduce-scatter, and under
+        HSDP no all-reduce either)."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+            unit.requires_all_reduce = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool,
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *,
+                                recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters each micro-batch's gradients inside the shard group
+        and sums the shards, all-reducing them across replicas only once this is True
+        again (the last micro-batch). Refused without replicas: nothing to skip."""
+        units = self._units(recurse)
+        alone = [u.name for u in units if u.replicate_group is None]
+        if alone:
+            raise ValueError(
+                f"set_requires_all_reduce skips HSDP's all-reduce across replicas, and "
+                f"{alone[0]!r} has no replicas (fully_shard without replicate_group): use "
+                f"set_requires_gradient_sync(False) to accumulate without communicating")
+        for unit in units:
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
-        for m in (self.modules() if recurse else [self]):
-            for unit in m.__dict__.get("_sharded_units", []):
-                unit.reshard_after_forward = reshard_after_forward
+        if not isinstance(reshard_after_forward, bool):  # as PyTorch's setter refuses
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward)}")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+            unit.post_forward_group = None
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """False: keep the full parameters after backward, so that the next micro-batch's
+        forward (and, without reshard after forward, its backward) gathers nothing."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Gather with `comm(output_tensor=, input_tensor=, group=, async_op=)` (the call
+        of PyTorch's `AllGather`), which returns its work, done when the output is."""
+        self.sharded_unit().all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Reduce with `comm(output_tensor=, input_tensor=, group=, op=, async_op=)` (the
+        call of PyTorch's `ReduceScatter`), which returns its work."""
+        self.sharded_unit().reduce_scatter_comm = comm
+
+    def _units(self, recurse: bool) -> list[PerParamUnit]:
+        return [unit for m in (self.modules() if recurse else [self])
+                for unit in m.__dict__.get("_sharded_units", [])]
+
+
+def check_reshard_size(reshard_after_forward, size: int) -> None:
+    """Refuse, in PyTorch's words (`_get_post_forward_mesh_info`, `_fsdp_init.py`), a
+    `reshard_after_forward` that is neither a bool nor an int dividing the `size` ranks
+    that share the shards."""
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"reshard_after_forward should be a bool or an int representing "
+                         f"the group size to reshard to, not {reshard_after_forward!r}")
+    if isinstance(reshard_after_forward, bool):
+        return
+    if reshard_after_forward < 1 or reshard_after_forward > size \
+            or size % reshard_after_forward:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor "
+                         f"of {size}, not {reshard_after_forward}: use one of "
+                         f"{[d for d in range(1, size + 1) if size % d == 0]} (e.g. the ranks "
+                         f"of a node; 1 is False, {size} is True)")
+
+
+def _post_forward_group(reshard_after_forward, group) -> tuple[bool, object]:
+    """(reshard after forward or not, the smaller group to reshard to, or None), as
+    PyTorch's `_get_post_forward_mesh_info` decides it: an int R must divide the group's
+    size S; R = 1 is False, R = S is True; otherwise the ranks are cut into groups of R
+    consecutive ones (PyTorch views its mesh as [-1, R])."""
+    size = dist.get_world_size(group)
+    check_reshard_size(reshard_after_forward, size)
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    size_r = reshard_after_forward
+    if size_r in (1, size):
+        return size_r == size, None
+    world = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
+    blocks = [list(range(b, b + size_r)) for b in range(0, world, size_r)]
+    mine = next(b for b in blocks if dist.get_rank() in b)
+    if not set(mine) <= set(ranks):
+        raise ValueError(f"reshard_after_forward={size_r} reshards to groups of {size_r} "
+                         f"consecutive ranks, and {mine} is not inside this rank's shard "
+                         f"group {list(ranks)}: shard over groups of consecutive ranks")
+    return True, consecutive_groups(size_r)
+
+
+_consecutive: dict[tuple, object] = {}
+
+
+def consecutive_groups(size: int):
+    """This rank's group among the groups of `size` consecutive ranks (made once per
+    size: every rank creates every group, in the same order, as `dist.new_group` asks)."""
+    key = (dist.get_world_size(), size)
+    if key not in _consecutive:
+        blocks = [list(range(b, b + size)) for b in range(0, key[0], size)]
+        _consecutive[key] = dist.new_subgroups_by_enumeration(blocks)[0]
+    return _consecutive[key]
 
 
 def _unit_of(module: nn.Module) -> PerParamUnit:
@@ -94,7 +192,7 @@ def _unit_of(module: nn.Module) -> PerParamUnit:
 
 
 def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
-                reshard_after_forward: bool = True,
+                reshard_after_forward: bool | int = True,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: CPUOffloadPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already sharded by a child) along dim 0.
@@ -102,6 +200,11 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     `group`: the ranks that share the shards (all, by default). `replicate_group`: HSDP,
     where PyTorch takes a 2-D mesh: the ranks, one per shard group, that hold this rank's
     same shards, and with whom each reduced gradient shard is all-reduced.
+
+    `reshard_after_forward`: True frees the full parameters after forward (backward gathers
+    them again), False keeps them to backward, an int R (a divisor of the group's size, as
+    PyTorch requires) keeps a 1/R piece of them, so that backward gathers among R
+    consecutive ranks (a node's): ZeRO++'s hpZ.
 
     Apply it bottom-up: to each block, then to the root. Refused: a second call on the
     same module; a call on a child after its parent (the parent already took its
@@ -116,6 +219,8 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
         raise RuntimeError("fully_shard needs torch.distributed initialized: run it in a "
                            "process started by shardlab.launch.launch (or torchrun)")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    reshard_after_forward, post_forward_group = _post_forward_group(reshard_after_forward,
+                                                                    group)
     slots = []
     for slot in collect_slots(module).values():
         owner = getattr(slot.param, "_sharded_by", None)
@@ -140,6 +245,7 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     # root's part of the schedule (the end-of-backward callback).
     unit = PerParamUnit(module, slots, group=group, replicate_group=replicate_group,
                         reshard_after_forward=reshard_after_forward,
+                        post_forward_group=post_forward_group,
                         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                         offload=offload_policy is not None, device=device)
     unit.cast_inputs = mp_policy.cast_forward_inputs

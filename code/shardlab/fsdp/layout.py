@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm.compat import all_gather_into
@@ -30,10 +31,24 @@ class PerParamUnit(ShardedUnit):
     flat tensor, which is then the all-gather input as it is (no copy-in when no cast is
     needed). The gathered buffer is rank-major ([N, S]): one `split_with_sizes_copy`
     copies every parameter out of it into its own padded tensor.
+
+    Two of FSDP2's knobs live in the layout. `post_forward_group` (an integer
+    `reshard_after_forward` R): after forward, each parameter's padded full tensor is cut
+    into R equal pieces and this rank keeps the piece of its place in that group of R
+    ranks, as PyTorch's `FSDPParam.to_sharded_post_forward` does; backward all-gathers the
+    pieces among the R ranks. `all_gather_comm` / `reduce_scatter_comm`
+    (`set_custom_all_gather` / `set_custom_reduce_scatter`): the collectives themselves,
+    called as PyTorch calls its `AllGather` and `ReduceScatter` (`_fsdp_api.py`), e.g.
+    ZeRO++'s quantized ones (`shardlab.zeropp`).
     """
 
-    def __init__(self, module, slots, **kwargs):
+    def __init__(self, module, slots, *, post_forward_group=None, **kwargs):
         super().__init__(module, slots, **kwargs)
+        self.post_forward_group = post_forward_group
+        self.all_gather_comm = None      # None: all_gather_into, the plain collective
+        self.reduce_scatter_comm = None  # None: reduce_scatter_into
+        self.post_forward_flat = None    # this rank's 1/R pieces, between forward and backward
+        self.gathered_post_forward = False
         self.rows, self.shard_numels, self.offsets = [], [], []
         for s in slots:
             if s.param.dim() == 0:
@@ -74,16 +89,57 @@ class PerParamUnit(ShardedUnit):
         local = self.local_flat.to(self.device, self.param_dtype, non_blocking=True)
         self.gathered = torch.empty(self.world * local.numel(), dtype=local.dtype,
                                     device=local.device)
-        return [all_gather_into(self.gathered, local, group=self.group, async_op=True)]
+        return [self.all_gather(self.gathered, local, self.group)]
+
+    def all_gather(self, output: torch.Tensor, local: torch.Tensor, group):
+        if self.all_gather_comm is None:
+            return all_gather_into(output, local, group=group, async_op=True)
+        return self.all_gather_comm(output_tensor=output, input_tensor=local, group=group,
+                                    async_op=True)
+
+    def start_reduce_scatter(self, reduced: torch.Tensor, full: torch.Tensor):
+        if self.reduce_scatter_comm is None:
+            return super().start_reduce_scatter(reduced, full)
+        return self.reduce_scatter_comm(output_tensor=reduced, input_tensor=full,
+                                        group=self.group, op=dist.ReduceOp.SUM,
+                                        async_op=True)
 
     def use_gathered(self) -> None:
+        rows, widths = self.world, self.shard_numels
+        if self.gathered_post_forward:  # R pieces of each parameter, from the R ranks
+            rows = dist.get_world_size(self.post_forward_group)
+            widths = [self.world * n // rows for n in self.shard_numels]
         outs = []
-        for padded, n in zip(self.padded_unsharded, self.shard_numels):
+        for padded, width in zip(self.padded_unsharded, widths):
             padded.untyped_storage().resize_(padded.numel() * padded.element_size())
-            outs.append(padded.data.view(self.world, n))  # .data: see FlatUnit
-        torch.split_with_sizes_copy(self.gathered.view(self.world, self.shard_numel),
-                                    self.shard_numels, dim=1, out=outs)
+            outs.append(padded.data.view(rows, width))  # .data: see FlatUnit
+        torch.split_with_sizes_copy(self.gathered.view(rows, sum(widths)), widths, dim=1,
+                                    out=outs)
         self.gathered = None
+        if self.gathered_post_forward:
+            self.drop_post_forward_shard()
+
+    # ------------------------------------------------------------ reshard to a smaller group
+
+    def keep_post_forward_shard(self) -> None:
+        """This rank's piece of each padded full parameter, cut R ways, in one flat buffer
+        (the all-gather input of backward)."""
+        size = dist.get_world_size(self.post_forward_group)
+        place = dist.get_rank(self.post_forward_group)
+        self.post_forward_flat = torch.cat([padded.view(size, -1)[place]
+                                            for padded in self.padded_unsharded])
+
+    def start_post_forward_all_gathers(self) -> list:
+        size = dist.get_world_size(self.post_forward_group)
+        local = self.post_forward_flat
+        self.gathered = torch.empty(size * local.numel(), dtype=local.dtype,
+                                    device=local.device)
+        self.gathered_post_forward = True
+        return [self.all_gather(self.gathered, local, self.post_forward_group)]
+
+    def drop_post_forward_shard(self) -> None:
+        self.post_forward_flat = None
+        self.gathered_post_forward = False
 
     def free_unsharded(self) -> None:
         for padded in self.padded_unsharded:

@@ -9,11 +9,13 @@ part, each usable alone, all imported from `shardlab.memory` as the chapters do:
     dim0.py         FSDP2's dim-0 split at any world size: each rank's rows and bytes
     planner.py      everything added up for every stage, what fits; the command line
     allocator.py    the CUDA caching allocator's block and segment rules
+    accumulation.py what a rank holds between micro-batches, DDP to FSDP2, by way
 
 Units are explicit: GB = 10**9 bytes (the ZeRO paper's unit), GiB = 2**30 bytes (what a
 device reports).
 """
 
+from shardlab.memory.accumulation import held_between_micro_batches
 from shardlab.memory.activations import (ATTENTION, CHECKPOINTING, Activations,
                                          activation_bytes, activations, layer_activations)
 from shardlab.memory.allocator import (CUDA_BLOCK, CUDA_LARGE_ROUND, CUDA_MID,
@@ -48,4 +50,5 @@ __all__ = [
     "CUDA_SMALL_SEGMENT", "CUDA_MID", "CUDA_MID_SEGMENT", "CUDA_LARGE_ROUND",
     "cuda_block_bytes", "cuda_segment_bytes", "rows_of", "shard_elements", "dim0_states",
     "dim0_states_per_rank", "parameter_shapes", "fsdp2_states_by_rank",
+    "held_between_micro_batches",
 ]

@@ -7,12 +7,17 @@ states, named as in PyTorch's FSDP2:
     SHARDED     only this rank's 1/N shard exists; the full parameters are freed
     UNSHARDED   the full parameters exist (all-gathered) and the module computes with them
 
+(and, between forward and backward under an integer `reshard_after_forward` R,
+SHARDED_POST_FORWARD: a 1/R piece kept, so that backward gathers among R ranks)
+
 and one schedule moves them between the states during a step:
 
     pre-forward     unshard: all-gather the unit          (Ψ_unit bytes on the wire, logically)
     post-forward    reshard: free the full parameters     (only if reshard_after_forward)
     pre-backward    unshard again (if it was resharded)   (Ψ_unit again)
     post-backward   reduce_scatter_grads into this rank's shard, then reshard  (Ψ_unit)
+                    (under gradient accumulation: each knob may skip the reduction or
+                    the reshard for the micro-batches before the last)
 
 so a step moves 3Ψ with resharding after forward and 2Ψ without. Each unit does ONE
 all-gather and ONE reduce-scatter per phase, over a flat buffer holding all its

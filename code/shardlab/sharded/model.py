@@ -51,6 +51,7 @@ class Unit(Protocol):
     name: str
     model_state: ShardedModel | None
     requires_gradient_sync: bool
+    reshard_after_backward: bool
     unsharded_params: list[nn.Parameter]
 
     def post_backward(self) -> None: ...
@@ -69,11 +70,17 @@ class ShardedModel:
     implements implicit prefetching, gradient accumulation and full-parameter gathers.
     """
 
-    def __init__(self, root: Unit, units: list[Unit], prefetch: bool = False):
+    def __init__(self, root: Unit, units: list[Unit], prefetch: bool = False,
+                 backward_prefetch: bool = False):
         self.root = root
         self.units = units
         self.prefetch = prefetch          # implicit: gather the next unit while one computes
+        # FSDP2's default overlap (`FSDPParamGroup._backward_prefetch` in PyTorch's
+        # `_fsdp_param_group.py`): as a unit's backward starts, gather the unit before it
+        # in post-forward order; forward gathers each unit when it starts.
+        self.backward_prefetch = backward_prefetch
         self.forward_order: list[Unit] = []  # this step's, as it happens
+        self.post_forward_order: list[Unit] = []  # this forward's, as units finish
         self.last_order: list[Unit] = []     # the previous step's, complete
         self.callback_queued = False
         # Name every parameter from the root, whatever module its unit was built from.
@@ -88,17 +95,24 @@ class ShardedModel:
 
     @staticmethod
     def from_root(root: Unit) -> "ShardedModel":
+        """The state of a model sharded by `fully_shard`, which overlaps as FSDP2 does by
+        default (backward prefetch)."""
         units = [u for m in root.module.modules() for u in getattr(m, "_sharded_units", [])]
-        return ShardedModel(root, units)
+        return ShardedModel(root, units, backward_prefetch=True)
 
     def root_pre_forward(self, args, kwargs):
         if torch.is_grad_enabled():
             self.forward_order = []
+            self.post_forward_order = []
         return args, kwargs
 
     def record_forward(self, unit: Unit) -> None:
         if unit not in self.forward_order:
             self.forward_order.append(unit)
+
+    def record_post_forward(self, unit: Unit) -> None:
+        if unit not in self.post_forward_order:
+            self.post_forward_order.append(unit)
 
     def implicit_forward_prefetch(self, unit: Unit) -> list[Unit]:
         """The unit that ran after this one in the last step's forward."""
@@ -108,7 +122,13 @@ class ShardedModel:
         return self.last_order[i + 1:i + 2]
 
     def implicit_backward_prefetch(self, unit: Unit) -> list[Unit]:
-        """Backward runs the units in reverse forward order: gather the one before."""
+        """Backward runs the units in reverse forward order: gather the one before (in
+        post-forward order under FSDP2's default: the root, whose forward ends last, is
+        followed by the last block, not by nothing)."""
+        if self.backward_prefetch:
+            order = self.post_forward_order
+            i = order.index(unit) if unit in order else 0
+            return [order[i - 1]] if i > 0 else []
         if not self.prefetch or unit not in self.forward_order:
             return []
         i = self.forward_order.index(unit)
@@ -126,7 +146,8 @@ class ShardedModel:
             unit.post_backward()
         self.finish_reduces()
         for unit in self.units:
-            unit.reshard()
+            if unit.reshard_after_backward:  # else kept gathered for the next micro-batch
+                unit.reshard()
         self.callback_queued = False
         self.last_order = list(self.forward_order)
 

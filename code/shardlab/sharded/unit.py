@@ -25,6 +25,10 @@ from shardlab.sharded.model import ParamSlot, ShardedModel
 class ShardedState(enum.Enum):
     SHARDED = "sharded"      # only this rank's shard exists
     UNSHARDED = "unsharded"  # the full parameters exist and are registered on the modules
+    # between forward and backward under an integer `reshard_after_forward` R (FSDP2's name
+    # for ZeRO++'s hpZ): a 1/R piece of the full parameters is kept, so that backward's
+    # all-gather runs among R ranks (a node) instead of all of them
+    SHARDED_POST_FORWARD = "sharded_post_forward"
 
 
 def set_param(module: nn.Module, attr: str, value: nn.Parameter) -> None:
@@ -65,6 +69,10 @@ class ShardedUnit:
       register_sharded()            make the modules hold the shards again
       gather_full(rank0_only)       {name: full tensor} in the shards' own dtype
       pieces(masters, optimizer)    this rank's pieces of each parameter, for checkpoints
+
+    and, to reshard after forward to a smaller group (`post_forward_group`, set by a layout
+    that supports it: FSDP2's), keep_post_forward_shard(), start_post_forward_all_gathers()
+    (whose result `use_gathered` also takes) and drop_post_forward_shard().
     """
 
     def __init__(self, module: nn.Module, slots: list[ParamSlot], *, group=None,
@@ -94,6 +102,16 @@ class ShardedUnit:
         self.forward_prefetch: list[ShardedUnit] = []
         self.backward_prefetch: list[ShardedUnit] = []
         self.requires_gradient_sync = True
+        # The knobs of gradient accumulation, as FSDP2's setters name them: keep the full
+        # parameters after backward (the next micro-batch's forward need not gather them);
+        # HSDP: reduce-scatter, but all-reduce across replicas only on the last micro-batch
+        # (the reduced shards summed meanwhile in `partial_reduce`, undivided).
+        self.reshard_after_backward = True
+        self.requires_all_reduce = True
+        self.partial_reduce: torch.Tensor | None = None
+        # Reshard after forward to this smaller group (None: to the whole group, or not at
+        # all); a layout that supports it sets it (`shardlab.fsdp.layout`).
+        self.post_forward_group = None
         self.needs_post_backward = False     # set in forward, cleared once grads are reduced
         self.pre_backward_done = False
         self.model_state: ShardedModel | None = None  # set by the root at its first forward
@@ -114,7 +132,8 @@ class ShardedUnit:
         # its all-gathers and reduce-scatters from launch to completion, its forward and
         # backward compute, its frees
         trace.mark("all-gather", self.name)
-        works = self.start_all_gathers()
+        works = (self.start_post_forward_all_gathers()
+                 if self.state is ShardedState.SHARDED_POST_FORWARD else self.start_all_gathers())
         trace.end_when_done(works[-1], "all-gather", self.name)
         self.pending_gather = works
         if not async_op:
@@ -138,10 +157,25 @@ class ShardedUnit:
             self.wait_for_unshard()
         if self.state is ShardedState.SHARDED:
             return
+        if self.state is ShardedState.SHARDED_POST_FORWARD:  # its backward never ran
+            self.drop_post_forward_shard()
+            self.state = ShardedState.SHARDED
+            return
         trace.mark("free", self.name)
         self.free_unsharded()
         self.register_sharded()
         self.state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """Free the full parameters but keep this rank's 1/R piece of them, R the size of
+        `post_forward_group`: backward gathers from those pieces, among R ranks."""
+        if self.state is not ShardedState.UNSHARDED:
+            return
+        trace.mark("free", self.name)
+        self.keep_post_forward_shard()
+        self.free_unsharded()
+        self.register_sharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD
 
     # ------------------------------------------------------------------ the hooks
 
@@ -181,9 +215,14 @@ class ShardedUnit:
 
     def post_forward(self, module, args, kwargs, output):
         trace.mark("forward", self.name, "end")
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            self.reshard()
+        elif self.reshard_after_forward and self.post_forward_group is not None:
+            self.reshard_post_forward()
+        elif self.reshard_after_forward:
             self.reshard()
         if torch.is_grad_enabled():
+            self.model_state.record_post_forward(self)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self.pre_backward)
@@ -219,7 +258,8 @@ class ShardedUnit:
                 p.grad = None
         # Without gradient sync (accumulation) the full gradients stay on the unsharded
         # parameters, where the next micro-batch's backward adds to them.
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
 
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Start the reduce-scatter and return: it runs while the unit before this one
@@ -231,9 +271,15 @@ class ShardedUnit:
         full = self.reduce_scatter_input(grads)
         reduced = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
         trace.mark("reduce-scatter", self.name)
-        work = reduce_scatter_into(reduced, full, group=self.group, async_op=True)
+        work = self.start_reduce_scatter(reduced, full)
         timed = trace.end_when_done(work, "reduce-scatter", self.name) is not None
         self.pending_reduce = (work, full, reduced, timed)  # `full` lives until it is done
+
+    def start_reduce_scatter(self, reduced: torch.Tensor, full: torch.Tensor):
+        """Launch the sum of every rank's `full` into this rank's `reduced` (its S
+        elements); return the work. A unit whose layout reduces otherwise (ZeRO++'s
+        quantized all-to-alls) overrides this."""
+        return reduce_scatter_into(reduced, full, group=self.group, async_op=True)
 
     def finish_reduce(self) -> None:
         if self.pending_reduce is None:
@@ -244,6 +290,17 @@ class ShardedUnit:
             trace.mark("reduce-scatter", self.name, "end")
         self.pending_reduce = None
         if self.replicate_group is not None:
+            # HSDP under accumulation (`requires_all_reduce` off): the reduced shards of the
+            # micro-batches are summed here, and all-reduced once, with the last one's
+            if self.partial_reduce is not None and self.requires_all_reduce:
+                reduced += self.partial_reduce
+                self.partial_reduce = None
+            elif not self.requires_all_reduce:
+                if self.partial_reduce is None:
+                    self.partial_reduce = reduced
+                else:
+                    self.partial_reduce += reduced
+                return
             # HSDP: the shard, reduced inside its group, summed with the same shard of
             # every other replica (one rank per group): Ψ/S elements cross the groups
             dist.all_reduce(reduced, group=self.replicate_group)
