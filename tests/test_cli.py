@@ -161,7 +161,24 @@ def test_ctrl_c_and_sigterm_end_in_one_line_with_the_step_and_the_last_checkpoin
             [sys.executable, "-m", "shardlab", "train", "--strategy", "ddp", "--world", "2",
              "--steps", "1000", "--save-every", "1", "--checkpoint-dir", str(folder),
              "--no-memory"] + FAST[:1] + ["--seq-len", "16"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ctrl_c_as_at_a_terminal))
+    try:
+        _signal_after_two_checkpoints(runs)
+    finally:
+        for _, process in runs.values():
+            if process.poll() is None:
+                process.kill()
+
+
+def ctrl_c_as_at_a_terminal():
+    """Ctrl-C's default in the run, whatever pytest inherited: a background job of a
+    non-interactive shell starts with SIGINT ignored, and Python then never raises
+    KeyboardInterrupt (the run would train on, as it should under nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_after_two_checkpoints(runs):
     waiting = dict(runs)
     deadline = time.monotonic() + 240
     while waiting and time.monotonic() < deadline:
