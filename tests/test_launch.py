@@ -115,7 +115,9 @@ def test_a_hang_names_the_rank_the_collective_and_its_size():
     size, dtype, sequence number) and what rank 1 ran last."""
     launch(w.rank_times_ten, 2)  # the fork server up: the timeout is the hang's alone
     with pytest.raises(LaunchTimeout) as info:
-        launch(w.one_all_reduce_more_on, 2, 0, timeout=8)
+        # 15 s: on a loaded machine the ranks can take seconds to reach their third
+        # all-reduce, and a timeout before it finds rank 0 between two collectives
+        launch(w.one_all_reduce_more_on, 2, 0, timeout=15)
     assert info.value.unfinished == [0]
     assert "ranks [0] had not finished" in str(info.value)
     hang = info.value.hang

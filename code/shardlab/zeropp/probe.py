@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
+from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.zeropp.collectives import QuantizedAllGather, QuantizedReduceScatter
 from shardlab.zeropp.quantize import dequantize, quantize
@@ -29,7 +30,7 @@ from shardlab.zeropp.strategy import zeropp_groups
 
 
 def _relative(error_sq: float, norm_sq: float) -> float:
-    total = torch.tensor([error_sq, norm_sq], dtype=torch.float64)
+    total = torch.tensor([error_sq, norm_sq], dtype=torch.float64, device=rank_device())
     dist.all_reduce(total)
     return math.sqrt(total[0] / total[1]) if total[1] > 0 else 0.0
 
@@ -43,25 +44,27 @@ def quantization_errors(node_size: int, model: str = "gpt-tiny", batch_size: int
     `node_size`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     everyone, node, cross = zeropp_groups(node_size)
-    net = build_model(model, seed)
-    x, y = get_batch(0, rank, world, batch_size, seq_len, seed)
+    device = rank_device()  # NCCL moves only tensors on the rank's GPU
+    net = build_model(model, seed).to(device)
+    x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len, seed))
     loss_fn(net(x), y).backward()
     weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
     size = -(-weights.numel() // world)
-    padded = torch.zeros(world * size)
+    padded = torch.zeros(world * size, device=device)
     padded[:weights.numel()] = weights
     shard = padded.view(world, size)[rank].clone()
-    exact, quantized = torch.empty(world * size), torch.empty(world * size)
+    exact = torch.empty(world * size, device=device)
+    quantized = torch.empty_like(exact)
     all_gather_into(exact, shard, group=everyone)
     QuantizedAllGather(8, weight_block)(output_tensor=quantized, input_tensor=shard,
                                         group=everyone)
     out = {"qwz": _relative((quantized - exact).square().sum().item() if rank == 0 else 0.0,
                             exact.square().sum().item() if rank == 0 else 0.0)}
 
-    full = torch.zeros(world * size)
+    full = torch.zeros(world * size, device=device)
     full[:grads.numel()] = grads
-    exact, quantized = torch.empty(size), torch.empty(size)
+    exact, quantized = torch.empty(size, device=device), torch.empty(size, device=device)
     reduce_scatter_into(exact, full.clone(), group=everyone)
     QuantizedReduceScatter(node, cross, 4, gradient_block)(
         output_tensor=quantized, input_tensor=full.clone(), group=everyone)
