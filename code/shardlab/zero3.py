@@ -62,6 +62,12 @@ class FlatBuffer:
         self.unsharded = [nn.Parameter(self.full[o:o + s.numel].view(s.shape),
                                        requires_grad=self.requires_grad)
                           for o, s in zip(self.offsets, slots)]
+        # The original parameters' values now live in the shards: keep only their
+        # metadata, or the rank would hold a whole second copy of the model (4Ψ bytes in
+        # fp32, measured) that no count of its model states sees.
+        for s in slots:
+            s.param = nn.Parameter(torch.empty_like(s.param, device="meta"),
+                                   requires_grad=s.param.requires_grad)
 
 
 class FlatUnit(ShardedUnit):
