@@ -29,14 +29,14 @@ LAYERS = {
         "memory.allocator", "memory.dim0",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
         "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
-        "clip", "optimizers", "buckets", "units", "trace"},
+        "clip", "optimizers", "buckets", "units", "trace", "disk_tier"},
     2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
         "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",
         "zero", "zero.layout", "zero.flat", "zero.gather", "zero.optimizer",
         "zero.stage1", "zero.stage2", "zero.strategies", "zero.torch_ref", "zero.timeline",
-        "sharded", "sharded.model", "sharded.unit", "zero3",
+        "sharded", "sharded.model", "sharded.unit", "zero3", "infinity",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp"},
     4: {"viz", "report", "gpu_record",
         "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
@@ -44,7 +44,8 @@ LAYERS = {
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory"},
-    5: {"config", "loop_concerns", "train", "workers", "demo", "cli", "__main__", "hang_runs"},
+    5: {"config", "loop_concerns", "train", "workers", "demo", "cli", "__main__", "hang_runs",
+        "infinity_runs"},
 }
 
 
