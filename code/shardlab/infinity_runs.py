@@ -78,8 +78,9 @@ def disk_runs(cases: list[dict[str, Any]], steps: int = 3, bandwidth: dict | Non
               ) -> dict[str, Any]:
     """Worker: train each case on this rank; return {"runs": [...], "bandwidth": ...}.
 
-    A case: model (and model_config), precision, optimizer, lr, batch_size, seq_len,
-    options (zero3's), limit (bytes this rank may allocate above what it held before its
+    A case: strategy ("zero3", or "deepspeed-zero3" for DeepSpeed's ZeRO-Infinity), model
+    (and model_config), precision, optimizer, lr, batch_size, seq_len, options (the
+    strategy's), limit (bytes this rank may allocate above what it held before its
     model was built, from its first step on; None: no cap), same_as (the index of an
     earlier case whose parameters to compare with), fault ({"what": "truncate" or
     "kill", "rank": r, "step": s}: `rehearse` it on rank r before step s), name. `bandwidth`: the arguments of
@@ -120,7 +121,8 @@ def _one_case(case: dict, steps: int, rank: int, world: int, keep_params: bool):
     try:
         model = build_model(case.get("model", "gpt-tiny"), 0, case.get("model_config"))
         result["psi"] = sum(p.numel() for p in model.parameters())
-        wrapped = get_strategy("zero3")(model, precision, spec, dict(case.get("options", {})))
+        wrapped = get_strategy(case.get("strategy", "zero3"))(
+            model, precision, spec, dict(case.get("options", {})))
         del model
     except (ValueError, DiskTierError) as exc:  # the disk tier is made after the
         failed = str(exc)                       # wrapping's collectives: agree here
@@ -133,9 +135,10 @@ def _one_case(case: dict, steps: int, rank: int, world: int, keep_params: bool):
     gc.collect()
     reset_host_peak()
     tier = getattr(wrapped.optimizer, "tier", None)
-    units = wrapped.extra_state[0].units
+    units = getattr(wrapped.extra_state[0], "units", [])  # zero3's; DeepSpeed has its own
     result["shards"] = [(b.shard_numel, b.requires_grad) for u in units for b in u.buffers]
     result["on_disk"] = tier.folder.on_disk() if tier is not None else 0
+    result["io"] = []
     limit, fault = case.get("limit"), case.get("fault")
     for step in range(steps):
         if fault and fault["rank"] == rank and fault["step"] == step:
@@ -144,6 +147,7 @@ def _one_case(case: dict, steps: int, rank: int, world: int, keep_params: bool):
         moved = dict(tier.folder.moved) if tier is not None else {}
         waited = tier.folder.waited if tier is not None else 0.0
         failed = None
+        io_before = storage_io()
         start = time.perf_counter()
         try:
             x, y = get_batch(step, rank, world, batch, seq)
@@ -162,6 +166,7 @@ def _one_case(case: dict, steps: int, rank: int, world: int, keep_params: bool):
         dist.all_reduce(total)
         result["losses"].append(float(total) / world)
         result["step_seconds"].append(seconds)
+        result["io"].append({k: v - io_before[k] for k, v in storage_io().items()})
         result.setdefault("phase_seconds", []).append(watch.seconds)
         if tier is not None:
             result["moved"].append({f"{way} {kind}": n - moved[(way, kind)]
@@ -185,6 +190,18 @@ def rehearse(what: str, tier) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         raise ValueError(f"unknown fault {what!r}; use 'truncate' or 'kill'")
+
+
+def storage_io() -> dict[str, int]:
+    """Bytes this process (all its threads) has read from and written to storage so far,
+    as the kernel counts them (/proc/self/io's read_bytes and write_bytes): the same count
+    for the course's disk tier and for DeepSpeed's libaio, whichever code moved them."""
+    fields = {}
+    with open("/proc/self/io") as io:
+        for line in io:
+            name, _, value = line.partition(":")
+            fields[name] = int(value)
+    return {"read": fields["read_bytes"], "written": fields["write_bytes"]}
 
 
 def _step(wrapped, x, y, watch) -> torch.Tensor:
