@@ -124,13 +124,12 @@ def test_a_volume_factor_and_a_schedule_go_together():
         assert c.gather_overlap_option is None or "all_gather" in c.schedule, name
 
 
-def test_the_strategies_that_shard_a_meta_model_are_handed_back_as_they_are():
-    """The others are wrapped by the refusal of a meta model (each refuses one in a line,
-    tests/test_modelio.py); these get the model on meta."""
+def test_the_registry_hands_back_each_card_s_wrap_function_checked():
+    """Each strategy comes wrapped by the registry's checks (a meta model refused where
+    the card says the strategy cannot shard one, tests/test_modelio.py; the optimizer
+    bound to the model, tests/test_muon.py) around the function its card names."""
     for name, c in CARDS.items():
-        wrap = get_strategy(name)
-        assert (wrap is resolve(c.wrap)) == c.shards_on_meta, name
-        assert getattr(wrap, "__wrapped__", wrap) is resolve(c.wrap), name
+        assert get_strategy(name).__wrapped__ is resolve(c.wrap), name
 
 
 def load_benchmark(name: str):

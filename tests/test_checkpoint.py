@@ -102,7 +102,8 @@ def test_an_interrupted_save_is_never_taken_and_is_cleaned_on_resume(runs):
     assert checkpoint.latest(folder).name == "step-000003"
     assert checkpoint.info(checkpoint.latest(folder)) == {
         "step": 3, "world": 4, "strategy": "zero1", "model": "gpt-tiny", "model_config": None,
-        "precision": "fp32", "optimizer": "adamw"}
+        "precision": "fp32", "optimizer": "adamw", "samples_seen": 3 * 8,
+        "data": {"batch_size": 8, "seq_len": 16, "seed": 0, "variable_lengths": False}}
     with pytest.raises(ValueError, match="not a complete shardlab checkpoint"):
         train_worker(TrainConfig(steps=1, resume=str(folder / "step-000006")))
 

@@ -43,11 +43,21 @@ def fake_rank(rank: int, world: int):
 
 
 def check_readable(fig) -> None:
-    """At most the column's width, and every text at least the smallest size the page
-    shows (`viz.SMALLEST_PT`)."""
+    """At most the column's width as the page receives it, and every text at least the
+    smallest size the page shows (`viz.SMALLEST_PT`). The notebook's inline backend saves
+    a figure cropped to what it draws plus 0.1 in of padding on each side
+    (`bbox_inches="tight"`): that image, not the figure's nominal size, must fit the
+    column, or the page scales it down and its text with it."""
+    import io
+
     from matplotlib.text import Text
+    from PIL import Image
 
     assert fig.get_figwidth() <= viz.MAX_WIDTH_IN + 1e-9 and fig.dpi == viz.DPI
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight", dpi=viz.DPI)
+    width = Image.open(io.BytesIO(png.getvalue())).width
+    assert width <= viz.MAX_WIDTH_IN * viz.DPI, f"saved {width} px wide, over the column"
     fig.canvas.draw()
     small = [(t.get_text(), t.get_fontsize()) for t in fig.findobj(Text)
              if t.get_text().strip() and t.get_visible() and t.get_fontsize() < viz.SMALLEST_PT]

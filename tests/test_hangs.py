@@ -157,7 +157,8 @@ def test_a_failed_run_carries_the_diagnosis_to_the_cli(monkeypatch, capsys):
     def failing_run(*args, **kwargs):
         raise failed.value
 
-    monkeypatch.setattr("shardlab.cli.run", failing_run)
+    # the command line imports the loop when it runs (a parse does not import torch)
+    monkeypatch.setattr("shardlab.train.run", failing_run)
     assert main(["--strategy", "ddp", "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "error: RuntimeError: rank 1 crashed at step 1" in err

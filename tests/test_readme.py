@@ -1,9 +1,10 @@
 """The README as a newcomer reads it: the first five minutes' commands (all but the
-installs) and the own-model example, run as they are written."""
+installs) and the own-model example, run as they are written (and lab 9's copy of it)."""
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -47,8 +48,24 @@ def test_the_first_five_minutes_run_as_written(tmp_path):
     assert version.returncode == 0 and int(version.stdout.split(".")[0]) >= 4
 
 
-def test_the_own_model_example_trains_alike_under_every_strategy_it_names(tmp_path):
+def own_model() -> str:
+    """The README's "Your own model" example."""
     [block] = [b for b in code_blocks("Running the labs", "python") if "nn.Sequential" in b]
+    return block
+
+
+def test_lab_9_opens_with_the_own_model_example_as_the_readme_gives_it():
+    """The same code, so that the two cannot drift apart; its output is not compared by
+    nbval (losses to five decimals), the test below runs the README's copy."""
+    cells = json.loads((ROOT / "labs" / "09-your-own-model.ipynb").read_text())["cells"]
+    [cell] = [c for c in cells
+              if c["cell_type"] == "code" and "nn.Sequential" in "".join(c["source"])]
+    assert "".join(cell["source"]).rstrip("\n") == own_model().rstrip("\n")
+    assert "nbval-ignore-output" in cell["metadata"].get("tags", [])
+
+
+def test_the_own_model_example_trains_alike_under_every_strategy_it_names(tmp_path):
+    block = own_model()
     script = tmp_path / "own_model.py"
     script.write_text(block)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -72,7 +72,8 @@ def test_zero_infinitys_example_does_not_fit_in_hbm_and_counts_the_write_back():
 # ------------------------------------------------------------- 4: the unit's gradient
 
 def test_the_gathered_term_counts_the_units_gradient():
-    assert r"2\,(2\,\Psi_\text{unit} + \Psi_\text{next})" in chapter("07")
+    # q: bytes per element (the notation page)
+    assert r"q\,(2\,\Psi_\text{unit} + \Psi_\text{next})" in chapter("07")
     ch5 = flat(chapter("05"))
     assert "which no GPU of {glue:text}`p2_hbm` can hold beside anything else" not in ch5
     assert "memory.gathered_bytes" in code_cells(chapter("05"))

@@ -54,11 +54,26 @@ def test_every_chapter_notebook_installs_the_course_from_the_one_site_setting():
     assert any("extras=('deepspeed',)" in source for source, _ in cells.values())
 
 
+def test_every_lab_installs_the_course_and_its_graders_from_the_one_site_setting():
+    """The chapters' cell, with the unpacked labs folder on the path (the graders) and no
+    myst-nb (the labs glue nothing); DeepSpeed where the lab runs it (lab 5)."""
+    site = colab_install.course_site()
+    cells = {name: cell for name, cell in install_cells().items() if name.startswith("labs/")}
+    assert len(cells) >= 11
+    for name, (source, rest) in cells.items():
+        extras = colab_notebooks.package_extras(rest)
+        assert source == colab_install.cell_source(site, extras, labs=True), name
+    assert colab_notebooks.package_extras(cells["labs/05-stage-by-stage.ipynb"][1]) == \
+        ("deepspeed",)
+
+
 # What no file of the course may install from, or send a reader to: a repository (git+,
-# a clone, a Colab or Binder launch into GitHub). The course publishes its package and
-# notebooks itself (`tools/colab_install.py`).
+# a clone, a Colab or Binder launch into GitHub), or the package index's `shardlab`, a name
+# the course does not hold. The course publishes its package and notebooks itself
+# (`tools/colab_install.py`).
 FOREIGN = re.compile(r"git\+https?://|git clone|colab\.research\.google\.com/github/|"
-                     r"mybinder\.org/v2/gh/|github\.com/shardlab")
+                     r"mybinder\.org/v2/gh/|github\.com/shardlab|"
+                     r"pip install (?:-\S+ )*['\"]?shardlab\b")
 
 
 def tracked_text_files() -> list[Path]:
@@ -77,9 +92,6 @@ def test_no_file_installs_from_or_launches_into_a_repository():
     assert found == []
 
 
-@pytest.mark.xfail(strict=True, reason="the labs' install cells still clone and install "
-                                       "from a repository; their cell is "
-                                       "colab_install.cell_source(..., labs=True)")
 def test_no_lab_installs_from_a_repository():
     found = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "labs").glob("*.ipynb"))
              if FOREIGN.search(f.read_text())]
@@ -173,7 +185,13 @@ BROKEN = {
     "missing-notebook.html": "<html><body><a href='nowhere.ipynb'>.ipynb</a></body></html>",
     "escaped-underscore.html": "<html><body><p>reshard\\_after\\_forward</p></body></html>",
     "good.html": "<html><body><p>Code shows <code>$$x$$</code> as it is.</p>"
-                 "<img src='sharp.png'></body></html>",
+                 "<img src='sharp.png'><details class='sd-dropdown'><summary>Answer</summary>"
+                 "<p>folded</p></details></body></html>",
+    # an aside printed at full weight: a dropdown left open, an admonition that shows its body
+    "open-aside.html": "<html><body><details class='sd-dropdown' open><summary>Aside: DeepSpeed"
+                       "</summary><p>reference</p></details><div class='admonition dropdown'>"
+                       "<p class='admonition-title'>Aside: HSDP</p><p>shown</p></div>"
+                       "</body></html>",
     # what MathJax leaves for a display equation wider than the column
     "wide-equation.html": "<html><body><div class='math'><mjx-container display='true' "
                           "style='display:block;overflow-x:auto'><span style='display:"
@@ -223,6 +241,8 @@ def test_the_browser_check_fails_on_each_kind_of_broken_page(tmp_path):
                for p in found["wide-equation.html"])
     assert any("figure text too small: wide.png" in p and "5.6 px" in p
                for p in found["small-figure.html"])
+    assert found["open-aside.html"] == ["folded aside rendered open: Aside: DeepSpeed",
+                                        "folded aside rendered open: Aside: HSDP"]
     assert "good.html" not in found and "index.html" not in found
 
 
@@ -239,3 +259,58 @@ def test_every_exercise_answer_in_the_labs_is_collapsed_with_its_output():
                 answers += 1
                 assert "hide-cell" in cell["metadata"].get("tags", []), (path.name, source[:60])
     assert answers >= 10
+
+
+# ----------------------------------------------------------------- one chapter template
+
+def toc_entries() -> list[str]:
+    import yaml
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    return [c["file"] for part in toc["parts"] for c in part["chapters"]]
+
+
+CHAPTERS_IN_TOC = [f for f in toc_entries() if f.startswith("chapters/")]
+# chapters that still close their own way, until they are brought to the template
+@pytest.mark.parametrize("chapter", CHAPTERS_IN_TOC)
+def test_every_chapter_follows_the_template(chapter):
+    """question, picture, (formulas and measurements), misconception, say it out loud,
+    worked problems, and the lab that follows it in the table of contents."""
+    import re
+    text = (ROOT / f"{chapter}.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "The question", headings[:2]
+    assert headings[1].startswith("The picture"), headings[:2]
+    closing = [h for h in headings if h.startswith(("The misconception", "Say it out loud",
+                                                    "Worked problems"))]
+    assert [h.split(":")[0].rstrip("s") for h in closing] == [
+        "The misconception", "Say it out loud", "Worked problem"], closing
+    assert headings.index(closing[-1]) >= len(headings) - 2, headings[-3:]
+    entries = toc_entries()
+    after = entries[entries.index(chapter) + 1:]
+    labs = [e for e in after[:next((i for i, e in enumerate(after)
+                                    if not e.startswith("labs/")), len(after))]]
+    if labs:  # the chapter ends by sending the reader to the lab that follows it
+        assert headings[-1].startswith("Now do lab"), headings[-1]
+        last = text[text.rindex("## Now do lab"):]
+        for lab in labs:
+            assert f"{{doc}}`../{lab}`" in last, (chapter, lab)
+
+
+def test_every_lab_follows_the_chapter_it_practises():
+    """Each lab's introduction names a chapter by its title: that chapter comes before it
+    in the table of contents, with only labs in between."""
+    import re
+    entries = toc_entries()
+    titles = {}
+    for entry in entries:
+        if entry.startswith("chapters/"):
+            first = (ROOT / f"{entry}.md").read_text().split("\n# ", 1)[1].split("\n", 1)[0]
+            titles[first.strip()] = entry
+    for i, entry in enumerate(entries):
+        if not entry.startswith("labs/"):
+            continue
+        chapter = next(e for e in reversed(entries[:i]) if not e.startswith("labs/"))
+        intro = "".join(json.loads((ROOT / f"{entry}.ipynb").read_text())["cells"][0]["source"])
+        named = [titles[t] for t in re.findall(r"chapter \*([^*]+)\*", intro) if t in titles]
+        if named:
+            assert chapter in named, (entry, chapter, named)

@@ -7,7 +7,10 @@ error outputs of executed cells, TeX left untypeset once MathJax is done (`$$`, 
 `\\frac`, ... in the visible text, outside code), an escaped underscore shown as `\\_` (in
 the text, or inside an equation's `\\text{}`/`\\texttt{}`, where MathJax prints it as it
 is), launch links into a repository (the course publishes its notebooks and package on its own
-site: `tools/colab_install.py`), and download links to a notebook the site does not hold. And what the page looks like at 1280 px: a display equation
+site: `tools/colab_install.py`), download links to a notebook the site does not hold, and folded asides
+or answers that render open (a `details` element open, or a dropdown admonition whose body
+shows): a reader predicts before seeing an answer, and reference material stays out of the
+way until asked for. And what the page looks like at 1280 px: a display equation
 wider than the text column (once `_static/fit-math.js` has set it as small as it may), and
 a figure shown so much smaller than it was drawn that its smallest text (8 points, the
 smallest the course's figures use) is under 10 px on the screen; the figure's resolution
@@ -65,6 +68,17 @@ const report = () => {
           return {width: e.scrollWidth, column: e.clientWidth,
                   tex: tex || e.textContent};
         }),
+    // folded asides and answers: a <details> (sphinx-design's dropdown, myst-nb's hidden
+    // cells) must start closed; a dropdown admonition (sphinx-togglebutton) must hide its
+    // body once its script has run
+    openAsides: [
+        ...[...document.querySelectorAll("details")].filter(d => d.open)
+            .map(d => (d.querySelector("summary") || d).textContent),
+        ...[...document.querySelectorAll(".admonition.dropdown")]
+            .filter(a => [...a.children].some(c => !c.classList.contains("admonition-title")
+                                                   && c.getClientRects().length > 0))
+            .map(a => (a.querySelector(".admonition-title") || a).textContent),
+    ].map(t => t.trim().slice(0, 60)),
     figures: [...document.images]
         .filter(i => i.complete && i.naturalWidth && i.getBoundingClientRect().width)
         .map(i => ({src: i.getAttribute("src"), natural: i.naturalWidth,
@@ -140,6 +154,8 @@ def check_page(driver, page: Path, repo: Path = ROOT) -> list[str]:
                     f"figure text too small: {name} drawn {figure['natural']} px "
                     f"wide at {dpi:.0f} dpi, shown {figure['shown']:.0f} px wide, so "
                     f"{SMALLEST_PT}-point text is {px:.1f} px (under {MIN_TEXT_PX})")
+    for title in found["openAsides"]:
+        problems.append(f"folded aside rendered open: {title}")
     for match in ESCAPED_UNDERSCORE.finditer(found["text"]):
         context = found["text"][max(0, match.start() - 30):match.end() + 30]
         problems.append(f"escaped underscore shown: ...{' '.join(context.split())}...")

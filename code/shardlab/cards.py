@@ -54,6 +54,9 @@ SCATTER_THEN_GATHER = ("reduce-scatter of the gradients (Ψ) + all-gather of the
                        "parameters (Ψ)")
 GATHER_TWICE = ("all-gather of the parameters in forward (Ψ) and in backward (Ψ) "
                 "+ reduce-scatter of the gradients (Ψ)")
+# Every rank holds every matrix whole (data parallelism): Muon needs nothing gathered.
+WHOLE_ON_EVERY_RANK = ("whole",)
+
 HYBRID = ("inside the shard group of S ranks, " + GATHER_TWICE + " over S; across the N/S "
           "replicas, all-reduce of each gradient shard (Ψ/S)")
 
@@ -109,6 +112,11 @@ class StrategyCard:
     plan: str | None = None
     sharded_step: bool = False
     gather_overlap_option: str | None = None
+    # The designs of a whole-matrix optimizer (Muon, `shardlab.muon.designs`) it can
+    # honour, the default first: "gather", "owner", "whole". A strategy that keeps every
+    # matrix whole on every rank honours "whole" alone, each rank orthogonalizing every
+    # matrix; () refuses Muon.
+    muon_designs: tuple[str, ...] = ()
 
     @property
     def one_process(self) -> bool:
@@ -119,17 +127,21 @@ class StrategyCard:
 CARDS: dict[str, StrategyCard] = {c.name: c for c in [
     StrategyCard(
         "single", "shardlab.strategy:wrap_single", SINGLE_PROCESS,
+        muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=0, collectives="none", schedule={}, plan="none"),
     StrategyCard(
         "ddp", "shardlab.ddp:wrap_ddp", OURS, reference="torch-ddp",
+        muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
         schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets"),
     StrategyCard(
         "ddp-naive", "shardlab.ddp:wrap_ddp_naive", OURS, reference="torch-ddp",
+        muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
         schedule={"all_reduce": ("step", "waited")}, plan="per-parameter"),
     StrategyCard(
         "torch-ddp", "shardlab.ddp:wrap_torch_ddp", PYTORCH, clips_by_own_library=True,
+        muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
         schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets"),
     StrategyCard(
@@ -138,14 +150,16 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         volume_factor=2, collectives=SCATTER_THEN_GATHER,
         schedule={"reduce_scatter": ("step", "waited"),
                   "all_gather": ("forward", "prefetched")},
-        plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather"),
+        plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
+        muon_designs=("gather", "owner", "whole")),
     StrategyCard(
         "zero2", "shardlab.zero:wrap_zero2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero2", zero_stage=2,
         volume_factor=2, collectives=SCATTER_THEN_GATHER,
         schedule={"reduce_scatter": ("backward", "produced"),
                   "all_gather": ("forward", "prefetched")},
-        plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather"),
+        plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
+        muon_designs=("gather", "owner", "whole")),
     StrategyCard(
         "torch-zero1", "shardlab.zero:wrap_torch_zero1", PYTORCH,
         deepspeed_reference="deepspeed-zero1", zero_stage=1, clips_by_own_library=True,
@@ -158,12 +172,14 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         "zero3", "shardlab.zero3:wrap_zero3", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
         shards_on_meta=True, volume_factor=3, collectives=GATHER_TWICE,
-        schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True),
+        schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True,
+        muon_designs=("gather", "owner")),
     StrategyCard(
         "fsdp2", "shardlab.fsdp:wrap_fsdp2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
         shards_on_meta=True, volume_factor=3, collectives=GATHER_TWICE,
-        schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True),
+        schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True,
+        muon_designs=("gather", "owner")),
     StrategyCard(
         "torch-fsdp2", "shardlab.fsdp:wrap_torch_fsdp2", PYTORCH,
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
@@ -172,7 +188,7 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         # its backward prefetches the next unit's all-gather (FSDP2's default)
         schedule={"all_gather": (("forward", "waited"), ("backward", "prefetched")),
                   "reduce_scatter": ("backward", "produced")},
-        plan="units", sharded_step=True),
+        plan="units", sharded_step=True, muon_designs=("gather", "owner")),
     StrategyCard(
         "hsdp", "shardlab.hsdp:wrap_hsdp", OURS, reference="torch-hsdp", takes_units=True,
         shards_on_meta=True, launch_check="shardlab.hsdp:check_options_before_launch",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,11 @@ from shardlab.models import (HF_MODELS, MODEL_NAMES, check_batch_split, check_lo
 from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.strategy import check_before_launch, checkpoint_refusal, get_strategy
+
+
+# What draws a step's global batch (`shardlab.models.get_batch`): a resume keeps them, so
+# that the data goes on where it stopped; the number of ranks and micro-batches may change.
+DATA_FIELDS = ("batch_size", "seq_len", "seed", "variable_lengths")
 
 
 @dataclass
@@ -128,7 +134,8 @@ class TrainConfig:
     def _check_what_is_trained(self) -> None:
         get_strategy(self.strategy)
         get_precision(self.precision)
-        optimizer_spec(self.optimizer, self.lr, self.clip_norm)
+        optimizer_spec(self.optimizer, self.lr, self.clip_norm).check_strategy(
+            self.strategy, self.precision)
         check_simulated_network(self.simulated_network)
         if self.model not in MODEL_NAMES:
             hf_spec(self.model)  # a published size or a config.json, else refused by name
@@ -213,7 +220,8 @@ class TrainConfig:
             raise ValueError("save_every and resume=True need checkpoint_dir, the folder "
                              "that holds the checkpoints")
         asked = [name for name in ("save_every", "resume", "export_path") if getattr(self, name)]
-        refusal = checkpoint_refusal(self.strategy) if asked else None
+        refusal = (checkpoint_refusal(self.strategy) or optimizer_spec(
+            self.optimizer, self.lr).checkpoint_refusal) if asked else None
         if refusal:
             raise ValueError(f"strategy {self.strategy!r} cannot {' / '.join(asked)} with "
                              f"shardlab's checkpoints: {refusal}")
@@ -278,11 +286,29 @@ class TrainConfig:
             raise ValueError(f"the checkpoint {folder.name} was saved with optimizer "
                              f"{saved['optimizer']!r}, not {self.optimizer!r}: resume it "
                              f"with optimizer={saved['optimizer']!r}")
+        self.check_same_data(saved, folder.name)
         step = int(saved.get("step", 0))
         if step >= self.steps:
             raise ValueError(f"nothing to train: the checkpoint {folder.name} is at step "
                              f"{step}; ask for steps > {step}")
         return step
+
+    def check_same_data(self, saved: dict, name: str) -> None:
+        """Refuse to resume checkpoint `name` (its marker `saved`) with another batch size,
+        sequence length, seed or padding: step s's global batch is drawn from these, so
+        the resumed run would read other samples than the uninterrupted one reads next,
+        and no count of samples seen could say which were skipped or read twice. Checked
+        by `check_resume` in the launching process, and by each rank as it loads."""
+        data = saved.get("data", {})  # a checkpoint saved before the marker held it: {}
+        changed = [field for field in DATA_FIELDS
+                   if field in data and data[field] != getattr(self, field)]
+        if changed:
+            field, was = changed[0], data[changed[0]]
+            raise ValueError(f"the checkpoint {name} read {saved['samples_seen']:,} samples "
+                             f"with {field}={was!r}; with {field}={getattr(self, field)!r} "
+                             f"the run would go on with other samples than it would have "
+                             f"read: resume it with {field}={was!r} (the number of ranks may "
+                             f"change: any that divides the batch reads the same rows)")
 
 
 def resume_folder(config: TrainConfig, say=None) -> Path | None:
@@ -365,13 +391,16 @@ def checkpoint_folders_locked(config: TrainConfig):
 def check_writable_folder(folder, what: str) -> None:
     """Refuse, before training, a folder that cannot be created or written to: create it
     and write a probe file there, which is the only test that holds for every file system
-    and user (root passes permission checks that a read-only mount still refuses)."""
+    and user (root passes permission checks that a read-only mount still refuses). The
+    probe's name is the file system's own choice (`mkstemp`): ranks that are threads of one
+    process check the same folder at once, and a name they shared would be removed by one
+    under another."""
     folder = Path(folder)
-    probe = folder / f".shardlab-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        handle, probe = tempfile.mkstemp(prefix=".shardlab-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"{what} {str(folder)!r} cannot be written ({exc.strerror}); "
                          f"choose another folder") from None

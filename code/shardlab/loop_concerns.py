@@ -22,7 +22,7 @@ from shardlab import checkpoint
 from shardlab.clock import StepClock
 from shardlab.comm.flight import FlightRecorder
 from shardlab.comm.ledger import Ledger, clock_offset
-from shardlab.config import TrainConfig, resume_folder
+from shardlab.config import DATA_FIELDS, TrainConfig, resume_folder
 from shardlab.faults import memory_limit, straggle
 from shardlab.launch.quiet import quiet_stderr
 from shardlab.measure import track_peak
@@ -200,6 +200,8 @@ class Checkpoints:
         start = time.perf_counter()
         # check_resume, in the launching process, already said which checkpoints it skipped
         self.folder = resume_folder(self.config, say=None)
+        if checkpoint.is_complete(self.folder):  # a run launched without `run` is checked here
+            self.config.check_same_data(checkpoint.info(self.folder), self.folder.name)
         step = checkpoint.load(self.folder, self.wrapped, trusted=self.config.trust_checkpoint)
         self.load_seconds = time.perf_counter() - start
         return step
@@ -213,10 +215,21 @@ class Checkpoints:
         checkpoint.save(config.checkpoint_dir, step + 1, self.wrapped,
                         {"strategy": config.strategy, "model": config.model,
                          "model_config": config.model_config,
-                         "precision": config.precision, "optimizer": config.optimizer})
+                         "precision": config.precision, "optimizer": config.optimizer,
+                         **data_position(config, step + 1)})
         if ledger is not None:  # the ledger holds the strategy's traffic, not the save's
             del ledger.records[kept:]
         self.saves.append(time.perf_counter() - start)
+
+
+def data_position(config: TrainConfig, step: int) -> dict:
+    """Where the data stands after `step` steps: the samples read (step x the global
+    batch: `shardlab.models.sample_ids` numbers them) and what draws the next ones. The
+    global batch of a step is drawn from (seed, step) whatever the number of ranks, so a
+    resume on any N reads the next samples exactly when these are the same
+    (`TrainConfig.check_resume` refuses a resume where they are not)."""
+    return {"samples_seen": step * config.batch_size,
+            "data": {name: getattr(config, name) for name in DATA_FIELDS}}
 
 
 # ----------------------------------------------------------------------------- progress

@@ -23,6 +23,7 @@ parameters, a parameter the forward never uses, two modules sharing one weight, 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -216,6 +217,12 @@ def hf_spec(name: str) -> HFModel | None:
     return HFModel(settings.pop("model_type"), tuple(settings.items()))
 
 
+# torch's default generator is one per process: where ranks are threads of one process
+# (`shardlab.many_ranks.threads`), whoever seeds it or builds a model holds this lock, so that
+# a rank's build is never reseeded halfway by another's
+GENERATOR_LOCK = threading.Lock()
+
+
 def build_model(name: str, seed: int = 0, config: dict | None = None) -> nn.Module:
     """The model `name` with weights drawn from `seed`: identical on every rank and run.
 
@@ -233,7 +240,7 @@ def build_model(name: str, seed: int = 0, config: dict | None = None) -> nn.Modu
             return build_hf_model(hf_spec(name), config)
     if config and name in TOY_MODELS:
         raise ValueError(f"the toy model {name!r} takes no config; use a gpt-* or hf-* model")
-    with torch.random.fork_rng(devices=[]):
+    with GENERATOR_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name in GPT_CONFIGS:
             fields = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -350,6 +357,30 @@ def global_token_count(step: int, batch_size: int, seq_len: int, seed: int = 0,
     return int(row_lengths(step, batch_size, seq_len, seed).sum())
 
 
+def batch_rows(rank: int, world: int, batch_size: int, micro: int = 0,
+               micro_steps: int = 1) -> range:
+    """The rows of a step's global batch that rank `rank` reads in micro-batch `micro`:
+    the rank's contiguous block of B/N rows, and the micro-batch's equal slice of it. The
+    global batch of a step does not depend on N, so a run resumed on another number of
+    ranks reads the same rows of each step, split another way."""
+    check_batch_split(batch_size, world, micro_steps)
+    if not 0 <= rank < world or not 0 <= micro < micro_steps:
+        raise ValueError(f"need 0 <= rank < world and 0 <= micro < micro_steps, got "
+                         f"rank={rank}, world={world}, micro={micro}, micro_steps={micro_steps}")
+    rows = batch_size // (world * micro_steps)
+    first = rank * (batch_size // world) + micro * rows
+    return range(first, first + rows)
+
+
+def sample_ids(step: int, rank: int, world: int, batch_size: int, micro: int = 0,
+               micro_steps: int = 1) -> list[int]:
+    """The ids of the samples `get_batch` returns, counted from the run's first: row i of
+    step s is sample s·B + i. A run that trains steps 0..T-1, resumed or not, on any
+    number of ranks, reads each of the samples 0..T·B-1 once."""
+    return [step * batch_size + row
+            for row in batch_rows(rank, world, batch_size, micro, micro_steps)]
+
+
 def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, seed: int = 0,
               micro: int = 0, micro_steps: int = 1,
               variable_lengths: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,20 +395,15 @@ def get_batch(step: int, rank: int, world: int, batch_size: int, seq_len: int, s
     is padding: token 0 in x, `IGNORE_INDEX` in y (at the end of the row, so a causal
     model's real tokens never attend to it).
     """
-    check_batch_split(batch_size, world, micro_steps)
-    if not 0 <= rank < world or not 0 <= micro < micro_steps:
-        raise ValueError(f"need 0 <= rank < world and 0 <= micro < micro_steps, got "
-                         f"rank={rank}, world={world}, micro={micro}, micro_steps={micro_steps}")
+    rows = batch_rows(rank, world, batch_size, micro, micro_steps)
     tokens = corpus_tokens()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     offsets = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=gen,
                             device="cpu")
-    rows = batch_size // (world * micro_steps)
-    first = rank * (batch_size // world) + micro * rows
-    windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets[first:first + rows]])
+    windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets[rows.start:rows.stop]])
     x, y = windows[:, :-1], windows[:, 1:]
     if variable_lengths:
-        lengths = row_lengths(step, batch_size, seq_len, seed)[first:first + rows]
+        lengths = row_lengths(step, batch_size, seq_len, seed)[rows.start:rows.stop]
         padding = torch.arange(seq_len, device="cpu") >= lengths[:, None]
         x, y = x.masked_fill(padding, 0), y.masked_fill(padding, IGNORE_INDEX)
     return x, y

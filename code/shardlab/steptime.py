@@ -400,10 +400,13 @@ def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
                 torch.cuda.synchronize(device)
         return timed
 
+    # its own generator: the process's is left alone (ranks that are threads of one
+    # process build their models from it, `shardlab.many_ranks.threads`)
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for n_in, n_out in shapes:
-            x = torch.randn(tokens, n_in, device=device)
-            w = torch.randn(n_out, n_in, device=device)
+            x = torch.randn(tokens, n_in, device=device, generator=generator)
+            w = torch.randn(n_out, n_in, device=device, generator=generator)
             synchronized(lambda: x @ w.T)()  # warm-up
             seconds += _median_seconds(synchronized(lambda: x @ w.T), repeats)
             flops += 2 * tokens * n_in * n_out

@@ -41,8 +41,6 @@ from shardlab.clip import GradClip
 from shardlab.launch.devices import rank_device
 from shardlab.measure import local_tensor
 from shardlab.optimizers import OptimizerSpec, build_optimizer, inner_optimizer
-# Lab 10 still imports `optimizer_spec` from here; it is defined in `shardlab.optimizers`.
-from shardlab.optimizers import optimizer_spec  # noqa: F401
 from shardlab.precision import Precision
 from shardlab.vocabulary import did_you_mean
 
@@ -323,23 +321,28 @@ def resolve(target: str) -> Callable:
 def get_strategy(name: str) -> Callable[..., Wrapped]:
     strategy = card(name)
     wrap = resolve(strategy.wrap)
-    if strategy.shards_on_meta:
-        return wrap
 
     @functools.wraps(wrap)
-    def refusing_meta(model: nn.Module, *args, **kwargs) -> Wrapped:
+    def checked(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
+                *args, **kwargs) -> Wrapped:
         # Refused here, in one line, rather than deep inside torch at the first read of
         # a value the model does not have.
-        if any(p.is_meta for p in model.parameters()):
+        if not strategy.shards_on_meta and any(p.is_meta for p in model.parameters()):
             raise ValueError(
                 f"strategy {name!r} keeps the whole model on every rank and cannot wrap a "
                 f"model on the meta device (it has no values): give it storage and "
                 f"weights first, or load it with shardlab.modelio.wrap_on_meta, which "
                 f"does both for {name!r}; the strategies that shard a meta model are "
                 f"{sorted(names(shards_on_meta=True))}")
-        return wrap(model, *args, **kwargs)
+        # A whole-matrix optimizer learns its design and the model's hidden matrices
+        # from the model as it is, before the strategy cuts it.
+        optimizer = optimizer.for_strategy(name, model, precision)
+        wrapped = wrap(model, precision, optimizer, *args, **kwargs)
+        if optimizer.checkpoint_refusal is not None:
+            wrapped.pieces, wrapped.checkpoint_refusal = None, optimizer.checkpoint_refusal
+        return wrapped
 
-    return refusing_meta
+    return checked
 
 
 def checkpoint_refusal(name: str) -> str | None:

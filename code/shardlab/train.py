@@ -41,7 +41,6 @@ from shardlab import checkpoint
 from shardlab.cards import card
 from shardlab.comm.compat import all_gather_into
 from shardlab.comm.ledger import simulated_network
-# (labs 3 to 10 still import `TrainConfig` from here too; it is defined in `shardlab.config`)
 from shardlab.config import TrainConfig, checkpoint_folders_locked
 from shardlab.launch.devices import placement, rank_device
 from shardlab.launch.errors import RankFailed
@@ -51,12 +50,11 @@ from shardlab.launch.recorders import flight_folder
 from shardlab.launch.torchrun import under_torchrun, whereabouts
 from shardlab.loop_concerns import Checkpoints, Measurement, RehearsedFaults, progress_shown
 from shardlab.modelio.meta import build_on_meta, wrap_on_meta
-from shardlab.models import build_model, get_batch, global_token_count, micro_batch_loss
+from shardlab.models import (GENERATOR_LOCK, build_model, get_batch, global_token_count,
+                             micro_batch_loss)
 from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.report import RunReport
-# Labs 4 and 6 still import `median_step_time` from here; it is defined in `shardlab.report`.
-from shardlab.report import median_step_time  # noqa: F401
 from shardlab.step import train_step
 from shardlab.steptime import datasheet_peak, matmul_rate
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters
@@ -157,7 +155,8 @@ def build_and_wrap(config: TrainConfig, world: int, device: torch.device
     a strategy that takes units, which units its wrap policy made (`shardlab.wrap.describe`)."""
     takes_units = card(config.strategy).takes_units
     policy = config.options.get("wrap", "auto")
-    torch.manual_seed(config.seed)
+    with GENERATOR_LOCK:  # ranks that are threads share one generator
+        torch.manual_seed(config.seed)
     precision = get_precision(config.precision)
     before_wrap = recompute_units if config.recompute else None  # hooks run inside it
     spec = optimizer_spec(config.optimizer, config.lr, config.clip_norm,

@@ -24,6 +24,7 @@ from shardlab.comm.compat import all_gather_into
 from shardlab.infinity import DEFAULTS as DISK_DEFAULTS
 from shardlab.infinity import DiskOptions, DiskTier, ParamsOnDisk, StreamedOptimizer
 from shardlab.optimizers import OptimizerSpec, build_optimizer
+from shardlab.muon import Place
 from shardlab.precision import Precision
 from shardlab.sharded.model import ParamSlot, shard_units
 from shardlab.sharded.unit import ShardedUnit, gather_shard
@@ -159,6 +160,22 @@ class FlatUnit(ShardedUnit):
                             for o, s in zip(b.offsets, b.slots)})
         return out
 
+    def places(self) -> list[Place]:
+        """Where each trained parameter's elements are (`shardlab.muon.Place`): its
+        stretch of the flat buffer, cut at multiples of S; this rank's window in the flat
+        shard it steps."""
+        b, out = self.trained, []
+        if b is None:
+            return out
+        S = b.shard_numel
+        for s, o in zip(b.slots, b.offsets):
+            ranges = owned_ranges(o, o + s.numel, lambda r: r * S, self.world)
+            a, z = next(((a, z) for r, a, z in ranges if r == self.rank), (0, 0))
+            lo = o - self.rank * S
+            out.append(Place(s.name, s.shape, b.shard,
+                             slice(lo + a, lo + z) if z > a else slice(0, 0), tuple(ranges)))
+        return out
+
     def pieces(self, masters: dict[int, torch.Tensor], optimizer) -> list[Piece]:
         out = []
         for b in self.buffers:
@@ -235,7 +252,8 @@ def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
                         reshard_after_forward=bool(options["reshard_after_forward"]),
                         device=device)
     opt = build_optimizer([u.flat_param for u in state.units if u.flat_param is not None],
-                          precision, optimizer)
+                          precision, optimizer,
+                          places=lambda: [p for u in state.units for p in u.places()])
     return Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full,
                    pieces=lambda: state.pieces(opt), extra_state=(state,),
                    clip=optimizer.clip_steps(opt, sharded=True))

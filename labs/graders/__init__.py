@@ -21,9 +21,10 @@ its catalogue, which must fail with its own hint.
     ddp.py              lab 4: DDP with bucketed, overlapped all-reduce
     zero1.py            lab 5: a ZeRO-1 optimizer
     fsdp_unit.py        lab 6: one FSDP unit's unshard, reshard, reduce-scatter
-    checkpoint.py       lab 7: a sharded checkpoint's save and load
+    checkpoint.py       lab 7: a sharded checkpoint saved on 2 ranks, loaded on 3
     units.py            lab 9: which parameters each fully_shard unit shards
     rows.py             lab 10: this rank's rows of a safetensors file
+    muon_owner.py       lab 11: Muon's owner design, the step of one matrix
     predictions.py      the check under a lab's "Predict": yours beside the run's
     solutions.py        the labs' worked solutions, read from the notebooks (for pytest)
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -338,36 +339,72 @@ FSDP_UNIT = [
 ]
 
 
-# --- checkpoint (lab 7): each rank saves and loads its own shard ---------------------------
-
-def save_rank0_only(shard, folder):
-    """One file, written by rank 0 only: every other rank's shard is lost."""
-    os.makedirs(folder, exist_ok=True)
-    if dist.get_rank() == 0:
-        torch.save(shard, os.path.join(folder, "model.pt"))
-
-
-def load_the_one_file(folder):
-    return torch.load(os.path.join(folder, "model.pt"), weights_only=True)
-
+# --- checkpoint (lab 7): saved on 2 ranks, loaded on 3 ----------------------------------
+# save_sharded(shard, folder), shard = {name: (rows, start, shape)};
+# load_sharded(folder, wanted), wanted = {name: (start, stop)} -> {name: rows}
 
 def save_own_file(shard, folder):
+    """One file per rank, named after the rank, holding its rows (and nothing about where
+    they sit in the tensor)."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save({name: rows for name, (rows, _, _) in shard.items()},
+               os.path.join(folder, f"rank{dist.get_rank()}.pt"))
+
+
+def load_own_file(folder, wanted):
+    """Reads the file of the saving rank with this rank's number: right only on as many
+    ranks as saved."""
+    return torch.load(os.path.join(folder, f"rank{dist.get_rank()}.pt"), weights_only=True)
+
+
+def save_rank0_only(shard, folder):
+    """Rank 0 writes its rows, believing them the whole tensor; the others write nothing."""
+    os.makedirs(folder, exist_ok=True)
+    if dist.get_rank() == 0:
+        torch.save({name: rows for name, (rows, _, _) in shard.items()},
+                   os.path.join(folder, "model.pt"))
+
+
+def load_rows_of_the_one_file(folder, wanted):
+    saved = torch.load(os.path.join(folder, "model.pt"), weights_only=True)
+    return {name: saved[name][start:stop].clone() for name, (start, stop) in wanted.items()}
+
+
+def save_pieces(shard, folder):
+    """The right save: each rank's rows with their start and the tensor's shape."""
     os.makedirs(folder, exist_ok=True)
     torch.save(shard, os.path.join(folder, f"rank{dist.get_rank()}.pt"))
 
 
-def load_next_rank_file(folder):
-    """Loads the file of rank r+1."""
-    rank = (dist.get_rank() + 1) % dist.get_world_size()
-    return torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True)
+def load_first_overlapping_piece(folder, wanted):
+    """Copies each tensor's rows from the first saved piece that overlaps them and stops:
+    rows that span two pieces keep zeros where the second piece's rows belong."""
+    pieces = [torch.load(path, weights_only=True) for path in sorted(Path(folder).glob("*.pt"))]
+    out = {}
+    for name, (start, stop) in wanted.items():
+        rows0, _, shape = pieces[0][name]
+        out[name] = torch.zeros(stop - start, *shape[1:], dtype=rows0.dtype)
+        for piece in pieces:
+            rows, first, _ = piece[name]
+            a, b = max(start, first), min(stop, first + rows.shape[0])
+            if a < b:
+                out[name][a - start:b - start] = rows[a - first:b - first]
+                break
+    return out
 
 
 CHECKPOINT = [
-    Mistake((save_rank0_only, load_the_one_file),
-            "looks like every rank read back rank 0's shard: only rank 0's tensors reached the "
-            "folder (each rank writes its own file, named after its rank)"),
-    Mistake((save_own_file, load_next_rank_file),
-            "looks like rank r read back rank r+1's shard: load the file of this rank"),
+    Mistake((save_own_file, load_own_file),
+            "looks like each rank read back the file of the saving rank with its number: on 3 "
+            "ranks a rank's rows are not saving rank r's; save each rank's rows with their start "
+            "and the tensor's shape, and read the rows you are asked for from the pieces that "
+            "hold them"),
+    Mistake((save_rank0_only, load_rows_of_the_one_file),
+            "looks like only rank 0's rows reached the folder: every saving rank writes its own "
+            "rows (a sharded save gathers nothing)"),
+    Mistake((save_pieces, load_first_overlapping_piece),
+            "looks like rows that span two saved pieces came from the first piece only: a new "
+            "rank's rows can overlap several old ranks' pieces; copy from each one"),
 ]
 
 
@@ -462,4 +499,116 @@ UNITS = [
     Mistake(units_tied_twice,
             "looks like a tied weight is listed under both its names: it is one parameter, sharded "
             "once (named_parameters() yields it once)"),
+]
+
+
+# --- Muon's owner design (lab 11): one matrix's step ---------------------------------------
+
+def _owner_assembles(piece, shape, ranges, owner, own_piece=True):
+    """The owner's whole update from every rank's piece (others: None, after sending)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    if rank != owner:
+        if piece.numel():
+            dist.send(piece, dst=owner)
+        return None
+    whole = torch.zeros(shape[0] * shape[1], dtype=piece.dtype)
+    for r, a, z in ranges:
+        if r == rank:
+            if own_piece:
+                whole[a:z] = piece
+        else:
+            dist.recv(whole[a:z], src=r)
+    return whole
+
+
+def _slices_back(ortho, piece, ranges, owner, shift=False):
+    """Each rank's slice of the owner's flattened result, sent back (`shift`: every rank
+    gets the first elements instead of its own)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    mine = next(((a, z) for r, a, z in ranges if r == rank), None)
+    if rank == owner:
+        for r, a, z in ranges:
+            if r != rank:
+                dist.send((ortho[:z - a] if shift else ortho[a:z]).contiguous(), dst=r)
+        return ortho[mine[0]:mine[1]] if mine else ortho[:0]
+    if mine is None:
+        return piece
+    out = torch.empty_like(piece)
+    dist.recv(out, src=owner)
+    return out
+
+
+def owner_step_own_piece_orthogonalized(piece, shape, ranges, owner):
+    """Each rank orthogonalizes its own piece, as rows of the matrix: no owner at all."""
+    from shardlab.muon import newton_schulz
+    return newton_schulz(piece.view(-1, shape[1])).reshape(-1)
+
+
+def owner_step_returns_whole(piece, shape, ranges, owner):
+    """The owner broadcasts its whole result, and every rank returns all of it."""
+    import torch.distributed as dist
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner)
+    ortho = (newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else
+             torch.empty(shape[0] * shape[1], dtype=piece.dtype))
+    dist.broadcast(ortho, src=owner)
+    return ortho
+
+
+def owner_step_first_elements_back(piece, shape, ranges, owner):
+    """The owner sends every rank the first elements of the result, not its own range."""
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner)
+    ortho = newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else None
+    return _slices_back(ortho, piece, ranges, owner, shift=True)
+
+
+def owner_step_without_own_piece(piece, shape, ranges, owner):
+    """The owner receives the others' pieces but leaves its own out (zeros)."""
+    from shardlab.muon import newton_schulz
+    whole = _owner_assembles(piece, shape, ranges, owner, own_piece=False)
+    ortho = newton_schulz(whole.view(shape)).reshape(-1) if whole is not None else None
+    return _slices_back(ortho, piece, ranges, owner)
+
+
+def owner_step_gather(piece, shape, ranges, owner):
+    """The gather design: every rank gathers the whole matrix and orthogonalizes it (right
+    values, N times the compute): its grader's rule rejects it."""
+    import torch.distributed as dist
+    from shardlab.muon import newton_schulz
+    longest = max(z - a for _, a, z in ranges)
+    mine = torch.zeros(longest, dtype=piece.dtype)
+    mine[:piece.numel()] = piece
+    gathered = torch.empty(dist.get_world_size() * longest, dtype=piece.dtype)
+    all_gather_into(gathered, mine)
+    whole = torch.cat([gathered[r * longest:r * longest + z - a] for r, a, z in ranges])
+    ortho = newton_schulz(whole.view(shape)).reshape(-1)
+    a, z = next(((a, z) for r, a, z in ranges if r == dist.get_rank()), (0, 0))
+    return ortho[a:z]
+
+
+def owner_step_broadcast(piece, shape, ranges, owner):
+    """The owner broadcasts the whole result and each rank keeps its slice (right values,
+    N - 1 whole matrices sent where slices do): its grader's rule rejects it."""
+    import torch.distributed as dist
+    ortho = owner_step_returns_whole(piece, shape, ranges, owner)
+    a, z = next(((a, z) for r, a, z in ranges if r == dist.get_rank()), (0, 0))
+    return ortho[a:z]
+
+
+MUON_OWNER = [
+    Mistake(owner_step_own_piece_orthogonalized,
+            "looks like each rank orthogonalized its own piece: Newton-Schulz needs the whole "
+            "matrix (send every piece to the owner first)"),
+    Mistake(owner_step_returns_whole,
+            "looks like every rank returned the whole orthogonalized matrix: return only this "
+            "rank's elements [start, stop) of it"),
+    Mistake(owner_step_first_elements_back,
+            "looks like every rank got the first elements of the result: send rank r the "
+            "elements [start_r, stop_r) of the flattened result"),
+    Mistake(owner_step_without_own_piece,
+            "looks like the owner left its own piece out of the matrix it orthogonalized: copy "
+            "it into place before Newton-Schulz"),
 ]

@@ -44,13 +44,29 @@ from shardlab.comm.records import (CollectiveRecord, format_table, per_op, per_s
 
 
 _ACTIVE: list["Ledger"] = []   # ledgers open in this process, innermost last
-_local = threading.local()     # .depth > 0 while a ring collective runs on this thread
+_local = threading.local()     # .depth > 0 while a ring collective runs on this thread;
+                               # .ledgers: the thread's own, where a thread is a rank
+
+
+def _open() -> list["Ledger"]:
+    """The ledgers that record this thread's collectives: the process's, or, where each
+    thread of the process is a rank of its own (`shardlab.many_ranks.threads`), the
+    thread's."""
+    own = getattr(_local, "ledgers", None)
+    return _ACTIVE if own is None else own
+
+
+def ledgers_per_thread() -> None:
+    """This thread is a rank of its own: a ledger opened on it records its collectives
+    alone, and the ledgers of the process do not see them. (In a process that is one rank,
+    the ledger must see every thread: DDP's reducer and autograd's run collectives too.)"""
+    _local.ledgers = []
 
 
 def _emit(op, dtype, numel, logical_bytes, sent, received, seconds, world, rounds,
           round_bytes, start=0.0, group="") -> list[CollectiveRecord]:
     records = []
-    for ledger in list(_ACTIVE):
+    for ledger in list(_open()):
         record = CollectiveRecord(op, dtype, numel, logical_bytes, sent, received, seconds,
                                   ledger.step, world, rounds, round_bytes, start,
                                   start + seconds, [], group, links.link_of(group))
@@ -83,7 +99,7 @@ def recorded_ring(op: str, tensor: torch.Tensor, numel: int, world: int, rank: i
         yield
     finally:
         _local.depth = outer
-    if outer == 0 and _ACTIVE:
+    if outer == 0 and _open():
         size = tensor.element_size()
         sent, received, rounds, round_bytes = ring_traffic(op, numel, world, size, rank, src)
         seconds = time.perf_counter() - start
@@ -97,7 +113,7 @@ def recorded_ring(op: str, tensor: torch.Tensor, numel: int, world: int, rank: i
 def _tell_ended(records: list[CollectiveRecord]) -> None:
     """These collectives have completed: tell the open ledgers (a flight recorder writes it
     down at once; a plain ledger reads `end` later and does nothing here)."""
-    for ledger in list(_ACTIVE):
+    for ledger in list(_open()):
         ledger.ended(records)
 
 
@@ -231,7 +247,7 @@ def _record_native(describe, args, start: float) -> Callable:
         # on the CPU a wait returns when the work is done, so waiting for its callback
         # too costs nothing; on a GPU it must not block the host (it orders streams)
         callback = pending if _first(tensors).device.type == "cpu" else None
-        for ledger in _ACTIVE:  # `work.wait()` finds its records here (see _timed_wait)
+        for ledger in _open():  # `work.wait()` finds its records here (see _timed_wait)
             ledger._by_work[id(unboxed)] = (unboxed, records, callback)
             if pending is not None:
                 ledger._pending.append(pending)
@@ -244,7 +260,7 @@ _original_wait = dist.Work.wait
 
 def _timed_wait(self, *args, **kwargs):
     """`Work.wait`, timed: the span this rank's thread blocked on a collective."""
-    if not _ACTIVE:
+    if not _open():
         return _original_wait(self, *args, **kwargs)
     begin = time.perf_counter()
     completed = False
@@ -254,7 +270,7 @@ def _timed_wait(self, *args, **kwargs):
         return result
     finally:
         done = time.perf_counter()
-        for ledger in list(_ACTIVE):
+        for ledger in list(_open()):
             # waited: let the work go, and the tensors it holds with it (a ZeRO-3 unit's
             # full gradient, reduce-scattered, must be freed when the strategy drops it,
             # not when the ledger forgets the step). The completion callback runs on the
@@ -277,13 +293,13 @@ def _watching_kernel(op, describe):
     below = torch._C.DispatchKey.BackendSelect
 
     def kernel(keyset, *args, **kwargs):
-        if not (_ACTIVE or links.any_throttled() or links.any_simulated()) \
+        if not (_open() or links.any_throttled() or links.any_simulated()) \
                 or getattr(_local, "depth", 0):
             return op.redispatch(keyset.remove(below), *args, **kwargs)
         launched = time.perf_counter()
         held = _throttle_seconds(describe, args) if links.any_throttled() else 0.0
         wire = _simulated(describe, args) if links.any_simulated() else None
-        finished = _record_native(describe, args, launched) if _ACTIVE else None
+        finished = _record_native(describe, args, launched) if _open() else None
         out = op.redispatch(keyset.remove(below), *args, **kwargs)
         if held:
             _hold(out, held)
@@ -377,11 +393,11 @@ class Ledger:
 
     def __enter__(self) -> "Ledger":
         _watch_native_collectives()
-        _ACTIVE.append(self)
+        _open().append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _ACTIVE.remove(self)
+        _open().remove(self)
         if exc_type is None:  # fill in the times of collectives still in flight
             for pending in self._pending:
                 pending.wait()

@@ -1,6 +1,6 @@
 """Importing DeepSpeed: only when a deepspeed-* strategy runs, quietly, for the right device.
 
-DeepSpeed is optional (`pip install 'shardlab[deepspeed]'`) and picks its accelerator
+DeepSpeed is optional (the package's `deepspeed` extra) and picks its accelerator
 once, at its first import: so it is found without importing it (`deepspeed_missing`), and
 imported by one function that sets the accelerator first and silences what a CPU machine
 would print. Apart from the strategies because the estimator imports it too.
@@ -21,8 +21,8 @@ from shardlab.launch.quiet import quiet_stderr
 # The loop relies on the engine accepting a plain `loss.backward()` (in 0.19.0, not in
 # 0.18.0) and on `managed_gradient_accumulation` (in 0.19.4); 0.19.8 is the one tested.
 MINIMUM_VERSION = "0.19.8"
-MISSING = ("DeepSpeed is not installed: pip install 'shardlab[deepspeed]' "
-           f"(or pip install 'deepspeed>={MINIMUM_VERSION}')")
+MISSING = (f"DeepSpeed is not installed: pip install 'deepspeed>={MINIMUM_VERSION}' (or, "
+           "in the course's folder, pip install -e '.[deepspeed]')")
 
 
 # DeepSpeed tests ZeRO with Adam, AdamW and Adagrad and asks for this flag with any other

@@ -24,9 +24,15 @@ def pyplot():
     return plt
 
 
-def figure(height: float, width: float = MAX_WIDTH_IN, **subplots):
-    """A figure as wide as the book's column (`viz.MAX_WIDTH_IN` at `viz.DPI`), so that
-    text of `SMALLEST_PT` shows at its own size."""
+# The notebook's inline backend saves a figure cropped to what it draws, plus this much
+# padding on each side (matplotlib's `savefig.pad_inches`): the image the page receives is
+# that wide, so a figure drawn to its edges must leave room for it.
+SAVE_PAD_IN = 0.1
+
+
+def figure(height: float, width: float = MAX_WIDTH_IN - 2 * SAVE_PAD_IN, **subplots):
+    """A figure whose saved image is as wide as the book's column (`viz.MAX_WIDTH_IN` at
+    `viz.DPI`, padding included), so that text of `SMALLEST_PT` shows at its own size."""
     return pyplot().subplots(figsize=(width, height), dpi=DPI, **subplots)
 
 

@@ -129,10 +129,12 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
         elif _is_ancestor(owner.module, module):
             raise ValueError(_order_error(module, owner.module))
         # else: a shard of a child unit, which owns it
-    # HSDP's replicas must start equal too: then the check spans every rank
-    check_same_on_all_ranks([(s.name, s.param) for s in slots],
-                            None if replicate_group is not None else group,
-                            what=f"this {type(module).__name__}")
+    # HSDP's replicas must start equal too: equal in the shard group and across its
+    # replicas is equal on the whole mesh, and no more (a tensor-parallel rank beside it
+    # holds another piece of the layer)
+    for ranks in (group,) if replicate_group is None else (group, replicate_group):
+        check_same_on_all_ranks([(s.name, s.param) for s in slots], ranks,
+                                what=f"this {type(module).__name__}")
     device = next((storage_device(s.param) for s in slots), torch.device("cpu"))
     # A root whose children took every parameter gets an empty unit: it still runs the
     # root's part of the schedule (the end-of-backward callback).

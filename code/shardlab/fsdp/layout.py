@@ -17,6 +17,7 @@ from torch import nn
 
 from shardlab.comm.compat import all_gather_into
 from shardlab.sharded.unit import ShardedUnit, gather_shard, set_param
+from shardlab.muon import Place, dim0_ranges
 from shardlab.strategy import Piece, owned_ranges, state_of
 
 
@@ -133,6 +134,18 @@ class PerParamUnit(ShardedUnit):
                 p.grad = g
             else:
                 p.grad += g
+
+    def places(self) -> list[Place]:
+        """Where each trainable parameter's elements are (`shardlab.muon.Place`): rows
+        [r*R, (r+1)*R) on rank r, so rank r's range of the flattened parameter; this
+        rank's window is the real rows of its shard."""
+        out = []
+        for s, p in zip(self.slots, self.sharded_params):
+            if p.requires_grad:
+                ranges = dim0_ranges(tuple(s.shape), self.world)
+                a, z = next(((a, z) for r, a, z in ranges if r == self.rank), (0, 0))
+                out.append(Place(s.name, s.shape, p, slice(0, z - a), ranges))
+        return out
 
     def pieces(self, masters: dict[int, torch.Tensor], optimizer) -> list[Piece]:
         out = []

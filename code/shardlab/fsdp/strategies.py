@@ -18,6 +18,7 @@ from torch import nn
 from shardlab.fsdp.api import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
                                gather_full_parameters, model_state)
 from shardlab.launch.devices import rank_device
+from shardlab.muon import Place, dim0_ranges
 from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import Precision
 from shardlab.strategy import (Piece, Wrapped, check_options, owned_ranges, state_of,
@@ -96,7 +97,9 @@ def fully_shard_on(model: nn.Module, precision: Precision, optimizer: OptimizerS
                                                     replicate_group=replicate_group, **kw),
                         MixedPrecisionPolicy, CPUOffloadPolicy)
     state = model_state(model)
-    opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
+    opt = optimizer.build([p for p in model.parameters() if p.requires_grad],
+                          places=lambda: [p for u in state.units for p in u.places()],
+                          group=group)
     return Wrapped(model, opt, no_sync=lambda: gradient_sync_off(model),
                    full_parameters=lambda: gather_full_parameters(model),
                    pieces=lambda: state.pieces(opt), extra_state=(state,),
@@ -135,6 +138,20 @@ def dtensor_pieces(model: nn.Module, optimizer) -> list[Piece]:
     return out
 
 
+def dtensor_places(model: nn.Module) -> list[Place]:
+    """Where each trainable parameter of a model sharded by PyTorch's `fully_shard` (on a
+    1-D mesh) has its elements (`shardlab.muon.Place`): the DTensor's dim-0 rows, the
+    same cut as ours (`dtensor_pieces` checks it)."""
+    out = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            ranges = dim0_ranges(tuple(p.shape), p.device_mesh.size())
+            rank = p.device_mesh.get_local_rank()
+            a, z = next(((a, z) for r, a, z in ranges if r == rank), (0, 0))
+            out.append(Place(name, p.shape, p, slice(0, z - a), ranges))
+    return out
+
+
 def wrap_torch_fsdp2(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
                      options: dict) -> Wrapped:
     """The reference: PyTorch's `fully_shard` per unit, then on the root, on a 1-D device
@@ -157,7 +174,11 @@ def torch_fully_shard_on(mesh, model: nn.Module, precision: Precision,
     model = apply_fsdp2(model, precision, options,
                         lambda m, **kw: torch_fully_shard(m, mesh=mesh, **kw), TorchMP,
                         TorchOffload)
-    opt = optimizer.build([p for p in model.parameters() if p.requires_grad])
+    # a whole matrix is cut among the shard dimension's ranks (the mesh's last: HSDP's
+    # replicas each hold all of it)
+    opt = optimizer.build([p for p in model.parameters() if p.requires_grad],
+                          places=lambda: dtensor_places(model),
+                          group=mesh.get_group(mesh_dim=mesh.ndim - 1))
 
     def full_parameters():
         # cloned: over a shard dimension of one rank (HSDP with S = 1) full_tensor() is

@@ -59,11 +59,13 @@ def flatten_into_buckets(buckets: list[Bucket]) -> torch.Tensor:
 
 def flatten_group(index: int, spec: dict[str, Any], world: int, rank: int,
                   bucket_numel: int, master_weights: bool) -> FlatGroup:
-    """Lay out parameter group `spec` (as torch.optim takes it) flat, as group `index`."""
-    buckets = fill_buckets(index, spec["params"], world, bucket_numel)
+    """Lay out parameter group `spec` (as torch.optim takes it) flat, as group `index`;
+    with `whole_params` in the group, each parameter whole on one rank."""
+    buckets = fill_buckets(index, spec["params"], world, bucket_numel,
+                           whole_params=bool(spec.get("whole_params", False)))
     flat = flatten_into_buckets(buckets)
     mine = [b.chunk(flat, rank) for b in buckets]
     # fp32 and "bf16": step my chunks in place. bf16-mixed: fp32 copies of them.
     shards = [m.float().clone() for m in mine] if master_weights else mine
-    return FlatGroup({k: v for k, v in spec.items() if k != "params"}, buckets, flat,
-                     shards, rank)
+    return FlatGroup({k: v for k, v in spec.items() if k not in ("params", "whole_params")},
+                     buckets, flat, shards, rank)

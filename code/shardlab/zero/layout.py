@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardlab.buckets import fill_in_backward_order
+from shardlab.muon import owners_by_size
 from shardlab.strategy import owned_ranges
 from shardlab.units import MiB
 
@@ -77,24 +78,47 @@ class Bucket:
 
 
 def fill_buckets(group: int, params: list[nn.Parameter], world: int,
-                 bucket_numel: int) -> list[Bucket]:
+                 bucket_numel: int, whole_params: bool = False) -> list[Bucket]:
     """Cut one group's `params` into buckets of at most `bucket_numel` elements (a larger
     parameter alone), filled in backward order as DDP's; returned in model order, each
-    placed in the group's flat buffer and in a rank's shard of it."""
+    placed in the group's flat buffer and in a rank's shard of it. `whole_params`: each
+    bucket cut between its parameters, not through them (`whole_offsets`)."""
     cut = fill_in_backward_order(params, bucket_numel * params[0].element_size())
     buckets: list[Bucket] = []
     start = shard_start = 0
     for members in reversed(cut):
         members = members[::-1]
         sizes = [p.numel() for p in members]
-        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         numel = sum(sizes)
-        padded = padded_size(numel, world)
+        if whole_params:
+            offsets, padded = whole_offsets(sizes, world)
+        else:
+            offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+            padded = padded_size(numel, world)
         buckets.append(Bucket(group, len(buckets), tuple(members), offsets, numel, padded,
                               start, shard_start, world))
         start += padded
         shard_start += padded // world
     return buckets
+
+
+def whole_offsets(sizes: list[int], world: int) -> tuple[tuple[int, ...], int]:
+    """A bucket laid out so that every parameter lies whole in one rank's chunk (what an
+    optimizer that needs whole matrices wants: `shardlab.muon`, "muon:whole"): the
+    largest parameter first, each to the rank with the fewest elements so far (Muon's
+    owner design assigns its matrices so, `shardlab.muon.owners_by_size`); the chunk
+    is the fullest rank's load, and the other ranks' chunks end in padding. Returns each
+    parameter's offset in the bucket and the bucket's padded size (N chunks). The price
+    is that padding: every reduce-scatter and all-gather of the bucket moves N chunks."""
+    rank_of = owners_by_size(list(enumerate(sizes)), world)
+    load = [sum(n for i, n in enumerate(sizes) if rank_of[i] == r) for r in range(world)]
+    chunk = max(1, max(load))
+    filled = [r * chunk for r in range(world)]
+    offsets = []
+    for i, size in enumerate(sizes):  # in the bucket's order inside each rank's chunk
+        offsets.append(filled[rank_of[i]])
+        filled[rank_of[i]] += size
+    return tuple(offsets), world * chunk
 
 
 def in_forward_order(buckets: list[Bucket],

@@ -24,7 +24,7 @@ it still decays, where torch.optim would skip it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch import nn
 from shardlab import trace
 from shardlab.buckets import DEFAULT_BUCKET_MB
 from shardlab.clip import GradClip
+from shardlab.muon import Place
 from shardlab.precision import InnerOptimizerFace
 from shardlab.strategy import Piece, state_of, tied_names
 from shardlab.zero.flat import FlatGroup, flatten_group
@@ -67,6 +68,12 @@ class ZeroOptimizer(InnerOptimizerFace):
     `module` (the model) gets a hook before each submodule's forward that waits for the
     buckets holding that submodule's own parameters. The inner optimizer is then stepped
     once per bucket (its step hooks run once per bucket).
+
+    `build(groups, places=..., group=...)` (an `OptimizerSpec`'s build), when given,
+    builds the inner optimizer instead of `optimizer_class(groups, **defaults)`, told
+    where each parameter's elements are (`places`): what an optimizer that needs whole
+    matrices (Muon) must know. A group with `whole_params: True` is laid out with every
+    parameter whole on one rank (`shardlab.zero.layout.whole_offsets`).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
@@ -74,7 +81,8 @@ class ZeroOptimizer(InnerOptimizerFace):
                  bucket_mb: float = DEFAULT_BUCKET_MB, bucket_numel: int | None = None,
                  overlap_all_gather: bool = False, module: nn.Module | None = None,
                  process_group=None, param_order: Sequence[nn.Parameter] | None = None,
-                 clip: GradClip | None = None, **defaults: Any):
+                 clip: GradClip | None = None, build: Callable | None = None,
+                 **defaults: Any):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r}; "
                              f"stage 3 is the strategy zero3 (shardlab.zero3.wrap_zero3)")
@@ -103,8 +111,10 @@ class ZeroOptimizer(InnerOptimizerFace):
         # What the stages differ in: where the gradients live, when they are reduced.
         self.reducer = (StepReducer(self.groups, process_group) if stage == 1 else
                         BackwardReducer(self.groups, process_group, param_order))
-        self.optimizer = optimizer_class([{**g.hyper, "params": g.shards}
-                                          for g in self.groups], **defaults)
+        inner = [{**g.hyper, "params": g.shards} for g in self.groups]
+        self.optimizer = (optimizer_class(inner, **defaults) if build is None else
+                          build(inner, places=lambda: self.places(module),
+                                group=process_group))
         self.gather = ParamAllGather(self.groups, process_group, param_order)
         if self.overlap_all_gather:
             self.gather.wait_before_forward(module)
@@ -212,6 +222,24 @@ class ZeroOptimizer(InnerOptimizerFace):
         out += [Piece(name, p.shape, 0, p.numel(), p.detach().reshape(-1),
                       aliases=tuple(names[id(p)][1:]))
                 for name, p in module.named_parameters() if id(p) not in trained]
+        return out
+
+    def places(self, module: nn.Module) -> list[Place]:
+        """Where every trainable parameter's elements are: each rank's range of it, and
+        this rank's window in the chunk of its bucket that the inner optimizer steps
+        (every rank steps the same bucket's chunk for it, even an empty window)."""
+        names = tied_names(module)
+        out = []
+        for g in self.groups:
+            for b, shard in zip(g.buckets, g.shards):
+                mine_start = self.rank * b.chunk_numel
+                for i, p in enumerate(b.params):
+                    ranges = b.ranges(i)
+                    a, z = next(((a, z) for r, a, z in ranges if r == self.rank), (0, 0))
+                    lo = b.offsets[i] - mine_start
+                    out.append(Place(names[id(p)][0], p.shape, shard,
+                                     slice(lo + a, lo + z) if z > a else slice(0, 0),
+                                     tuple(ranges)))
         return out
 
     def all_gather_all(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardlab.buckets import DEFAULT_BUCKET_MB
-from shardlab.optimizers import OptimizerSpec
+from shardlab.optimizers import OptimizerSpec, WholeMatrixSpec
 from shardlab.precision import Precision
 from shardlab.strategy import (Wrapped, cast_model, check_options, check_same_on_all_ranks,
                                named_full_parameters)
@@ -53,12 +53,18 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     check_same_on_all_ranks(list(model.named_parameters()))
     model = cast_model(model, precision)
     params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
+    build = None
+    if isinstance(optimizer, WholeMatrixSpec):
+        if opts["param_groups"] is not None:
+            raise ValueError(f"{optimizer.name} makes its own parameter groups (Muon's "
+                             f"matrices, AdamW's rest): leave param_groups unset")
+        params, build = optimizer.param_groups(model.parameters()), optimizer.build
     zero = ZeroOptimizer(
         params, optimizer.cls, stage=stage, master_weights=precision.master_weights,
         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
         overlap_all_gather=opts["overlap_all_gather"], module=model,
         param_order=[p for p in model.parameters() if p.requires_grad],
-        clip=optimizer.clipper(sharded=True), **optimizer.kwargs)
+        clip=optimizer.clipper(sharded=True), build=build, **optimizer.kwargs)
 
     def full_parameters() -> dict[str, torch.Tensor]:
         zero.wait_for_params()
