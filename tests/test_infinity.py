@@ -30,6 +30,9 @@ from shardlab.precision import get_precision
 
 STEPS = 4
 CHUNK = 4096  # elements: gpt-tiny's shards then span several chunks, stepped in a ring
+# gpt-small on 2 ranks, fp32: zero3 in memory reached 38-39 MiB above its start (VmHWM),
+# the disk tier 24-26 MiB, measured on a 2-core machine; the cap sits between the two
+LIMIT = 32 << 20
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -74,6 +77,11 @@ def runs(tmp_path_factory):
         dict(name="gpt-small", model="gpt-small"),
         dict(name="gpt-small optimizer+params", model="gpt-small",
              options=on_disk("optimizer+params", offload_buffer_numel=1 << 16)),
+        # the proof run: under a real cap on what a rank may allocate (RLIMIT_DATA),
+        # zero3 in memory runs out and the disk tier trains as it would have
+        dict(name="gpt-small under the cap", model="gpt-small", limit=LIMIT),
+        dict(name="gpt-small optimizer+params under the cap", model="gpt-small", limit=LIMIT,
+             options=on_disk("optimizer+params", offload_buffer_numel=1 << 16), same_as=11),
     ]
     if full is not None:  # a tmpfs is memory: its own line; then a full one
         cases += [dict(name="tmpfs direct", options=on_disk("optimizer", offload_dir=str(full))),
@@ -180,6 +188,21 @@ def test_the_peak_drops_by_what_went_to_disk(runs):
         assert abs(measured - predicted) <= 0.25 * predicted, (measured, predicted)
 
 
+def test_under_a_memory_cap_zero3_runs_out_and_the_disk_tier_trains(runs):
+    """Point 3 of ZeRO-Infinity's proof: the same cap, in memory a one-line out-of-memory
+    on every rank (one names where, the other says another rank failed), on disk the
+    losses and parameters of the run without a cap."""
+    errors = [rank["gpt-small under the cap"]["error"] for rank in runs["ranks"]]
+    assert any(e.startswith("out of memory in the ") and e.endswith("> limit 32.00 MiB")
+               for e in errors), errors
+    assert all(e == "another rank failed" or e.startswith("out of memory in the ")
+               for e in errors) and all("\n" not in e for e in errors), errors
+    for rank in runs["ranks"]:
+        r = rank["gpt-small optimizer+params under the cap"]
+        assert r["error"] is None and len(r["losses"]) == STEPS, r["error"]
+        assert r["same_losses"] is True and r["param_diff"] == 0.0
+
+
 def test_a_finished_run_leaves_nothing_and_a_kept_one_its_files(runs):
     assert runs["left"]["states"] == []  # unlinked once open, the folders removed
     assert len(runs["kept_dirs"]) == 2 and all(d.startswith("shardlab-offload-")
@@ -277,3 +300,31 @@ def test_an_optimizer_that_is_not_elementwise_is_refused():
         state_names(OptimizerSpec(torch.optim.Muon, {"lr": 1e-3}))
     assert state_names(optimizer_spec("sgd", 0.1)) == ()
     assert state_names(optimizer_spec("adamw", 0.1)) == ("exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"offload_optimizer": "disk"}, r"option offload_optimizer takes false, true \(the CPU\), "
+                                    r"'cpu' or 'nvme', got 'disk'"),
+    ({"offload_param": "nvme"}, "offload_param 'nvme' needs nvme_path, a folder on the disk"),
+    ({"offload_optimizer": True}, r"this rank computes on the CPU already: leave it off \(or "
+                                  r"put it on a disk: 'nvme' with nvme_path\)"),
+    ({"offload_optimizer": "nvme", "nvme_path": 3}, "option nvme_path takes a folder, got 3"),
+])
+def test_deepspeeds_nvme_options_are_checked_in_one_line(options, message):
+    from shardlab.deepspeed_ref.strategies import check_deepspeed_options
+    with pytest.raises(ValueError, match=message):
+        check_deepspeed_options(3, options, torch.device("cpu"))
+
+
+def test_deepspeeds_nvme_config_is_its_offload_sections():
+    from shardlab.deepspeed_ref.strategies import check_deepspeed_options, deepspeed_config
+    opts = check_deepspeed_options(3, {"offload_optimizer": "nvme", "offload_param": "nvme",
+                                       "nvme_path": "/data"}, torch.device("cpu"))
+    zero = deepspeed_config(3, get_precision("fp32"), opts,
+                            optimizer_spec("adamw", 1e-3))["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "pin_memory": True,
+                                         "nvme_path": "/data", "buffer_count": 4}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/data",
+                                     "buffer_count": 5, "buffer_size": 100_000_000,
+                                     "max_in_cpu": 1_000_000_000}
+    assert "nvme_path" not in zero and zero["sub_group_size"] == 1_000_000_000

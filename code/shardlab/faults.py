@@ -184,6 +184,13 @@ def host_memory_cap(limit: int, above: int, where=lambda: "the step"):
         raise OutOfMemory(f"out of memory in {where()}: {held / 2**20:.2f} MiB held + "
                           f"{int(asked[1]) / 2**20:.2f} MiB asked > limit "
                           f"{limit / 2**20:.2f} MiB") from None
+    except OutOfMemory:
+        raise
+    except MemoryError:  # refused inside C++ code (gloo's buffers: std::bad_alloc)
+        held = data_segment_bytes() - above
+        raise OutOfMemory(f"out of memory in {where()}: {held / 2**20:.2f} MiB held + an "
+                          f"allocation of the collectives > limit "
+                          f"{limit / 2**20:.2f} MiB") from None
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
