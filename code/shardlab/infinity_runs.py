@@ -83,9 +83,10 @@ def disk_runs(cases: list[dict[str, Any]], steps: int = 3, bandwidth: dict | Non
     strategy's), limit (bytes this rank may allocate above what it held before its
     model was built, from its first step on; None: no cap), same_as (the index of an
     earlier case whose parameters to compare with), fault ({"what": "truncate" or
-    "kill", "rank": r, "step": s}: `rehearse` it on rank r before step s), name. `bandwidth`: the arguments of
-    `shardlab.disk_tier.disk_bandwidth`, measured on every rank at once (the ranks share
-    the disk, as they do when they train) before the cases."""
+    "kill", "rank": r, "step": s}: `rehearse` it on rank r before step s), name.
+    `bandwidth`: the arguments of `shardlab.disk_tier.disk_bandwidth`, measured on every
+    rank at once (the ranks share the disk, as they do when they train) before the
+    cases."""
     return_freed_memory()
     rank, world = dist.get_rank(), dist.get_world_size()
     measured = None
