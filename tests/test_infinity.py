@@ -328,3 +328,14 @@ def test_deepspeeds_nvme_config_is_its_offload_sections():
                                      "buffer_count": 5, "buffer_size": 100_000_000,
                                      "max_in_cpu": 1_000_000_000}
     assert "nvme_path" not in zero and zero["sub_group_size"] == 1_000_000_000
+
+
+def test_a_refusal_inside_cpp_code_is_the_same_one_line():
+    """gloo's C++ allocates its buffers with new: past the cap it throws std::bad_alloc,
+    which reaches Python as MemoryError, not as torch's "can't allocate memory"."""
+    from shardlab.faults import OutOfMemory, data_segment_bytes, host_memory_cap
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the backward of step 0: "
+                                          r"[\d.]+ MiB held \+ an allocation of the "
+                                          r"collectives > limit 512.00 MiB$"):
+        with host_memory_cap(512 << 20, data_segment_bytes(), lambda: "the backward of step 0"):
+            raise MemoryError("std::bad_alloc")
