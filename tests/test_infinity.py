@@ -314,6 +314,11 @@ def test_deepspeeds_nvme_options_are_checked_in_one_line(options, message):
     from shardlab.deepspeed_ref.strategies import check_deepspeed_options
     with pytest.raises(ValueError, match=message):
         check_deepspeed_options(3, options, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^offload_optimizer 'nvme' is ZeRO-Infinity, a "
+                                         r"stage-3 offload: use deepspeed-zero3$"):
+        check_deepspeed_options(2, {"offload_optimizer": "nvme"}, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"on the CPU already: leave it off$"):
+        check_deepspeed_options(2, {"offload_optimizer": True}, torch.device("cpu"))
 
 
 def test_deepspeeds_nvme_config_is_its_offload_sections():

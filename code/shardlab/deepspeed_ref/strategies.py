@@ -127,9 +127,13 @@ def check_deepspeed_options(stage: int, options: dict, device: torch.device) -> 
     offload = [k for k in _OFFLOADS if opts.get(k) == "cpu"]
     if offload and device.type != "cuda":
         raise ValueError(f"{', '.join(offload)} moves state from GPU memory to the CPU; "
-                         f"this rank computes on the CPU already: leave it off (or put it "
-                         f"on a disk: 'nvme' with nvme_path)")
+                         f"this rank computes on the CPU already: leave it off"
+                         + (" (or put it on a disk: 'nvme' with nvme_path)" if stage == 3
+                            else ""))
     nvme = [k for k in _OFFLOADS if opts.get(k) == "nvme"]
+    if nvme and stage != 3:  # stage_1_and_2.py takes any offload device for the CPU
+        raise ValueError(f"{', '.join(nvme)} 'nvme' is ZeRO-Infinity, a stage-3 offload: "
+                         f"use deepspeed-zero3")
     if nvme and not opts.get("nvme_path"):
         raise ValueError(f"{', '.join(nvme)} 'nvme' needs nvme_path, a folder on the disk")
     return opts
