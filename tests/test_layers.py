@@ -32,14 +32,14 @@ LAYERS = {
         "clip", "optimizers", "buckets", "units", "trace",
         "muon", "muon.newton_schulz", "muon.split", "muon.places", "muon.designs",
         "muon.optimizer", "comm.whole_matrix", "memory.whole_matrix",
-        "many_ranks.threads", "many_ranks.fake", "many_ranks.formulas"},
+        "many_ranks.threads", "many_ranks.fake", "many_ranks.formulas", "disk_tier"},
     2: {"strategy", "cards", "step"},
     3: {"ddp", "tensor_parallel",
         "deepspeed_ref", "deepspeed_ref.setup", "deepspeed_ref.strategies",
         "deepspeed_ref.predict", "deepspeed_ref.estimate", "deepspeed_ref.beside",
         "zero", "zero.layout", "zero.flat", "zero.gather", "zero.optimizer",
         "zero.stage1", "zero.stage2", "zero.strategies", "zero.torch_ref", "zero.timeline",
-        "sharded", "sharded.model", "sharded.unit", "zero3",
+        "sharded", "sharded.model", "sharded.unit", "zero3", "infinity",
         "fsdp", "fsdp.layout", "fsdp.api", "fsdp.strategies", "fsdp.probe", "hsdp",
         "many_ranks.meshes",
         "zeropp", "zeropp.quantize", "zeropp.collectives", "zeropp.strategy",
@@ -52,7 +52,7 @@ LAYERS = {
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory",
         "many_ranks.measured", "many_ranks.figure"},
     5: {"config", "loop_concerns", "train", "workers", "cli", "__main__", "hang_runs",
-        "muon_runs", "many_ranks", "many_ranks.runs"},
+        "muon_runs", "many_ranks", "many_ranks.runs", "infinity_runs"},
 }
 
 

@@ -134,3 +134,27 @@ def test_the_step_time_table():
                  if r["strategy"] == name and r["term_off"]]
         expected = max(sorted(set(named)), key=named.count) if named else "none"
         assert term == expected, name
+
+
+def test_the_zero_infinity_table_is_its_results_file():
+    r = results("infinity")
+    names = {"`zero3`, in memory": "zero3", "`zero3`, states on disk": "zero3 + disk",
+             "`deepspeed-zero3`, nvme": "deepspeed-zero3 + nvme"}
+    rows = table_rows("| run | step (median, min–max)")
+    assert [cells[0] for cells in rows] == list(names)
+    for cells in rows:
+        row = r["rows"][names[cells[0]]]
+        cells[2] = cells[2].strip("*")  # the two disk tiers' ratios are in bold
+        assert cells[1:] == [
+            f"{row['step_ms']:.1f} ms ({row['min_ms']:.0f}–{row['max_ms']:.0f})",
+            f"{row['ratio']:.2f}",
+            f"{row['read_mib_per_step']:.1f} / {row['written_mib_per_step']:.1f} MiB",
+            f"{row['peak_mib']:.1f} MiB"], cells
+    model = r["model"]
+    for text in (r["command"], f"{model['bandwidth_mb_s']['read']:,} MB/s",
+                 f"{model['bandwidth_mb_s']['write']:,} MB/s",
+                 f"predicted our step at {model['predicted_step_ms']} ms (efficiency "
+                 f"{model['predicted_efficiency']} against {model['measured_efficiency']} "
+                 f"measured"):
+        assert text in FLAT, text
+    assert {row["max_loss_diff"] for row in r["rows"].values()} == {0.0}

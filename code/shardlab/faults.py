@@ -25,9 +25,10 @@ the ways real jobs do (a rank whose code takes another path), and the flight rec
 
 On a GPU the memory limit is real: `torch.cuda.set_per_process_memory_fraction` caps the
 caching allocator, and the step raises `torch.OutOfMemoryError` at the allocation that
-crosses it, inside the module named here. On a CPU nothing runs out at a chosen size, so
-the watch only notes the place; the run goes on, and the report says where it would
-have died.
+crosses it, inside the module named here. On a CPU the watch only notes the place; the run
+goes on, and the report says where it would have died. `host_memory_cap` makes a CPU
+limit real: the kernel refuses the allocation that crosses it (see its docstring for why
+the data segment's limit, RLIMIT_DATA, and not the address space's).
 """
 
 from __future__ import annotations
@@ -132,5 +133,67 @@ def _where(tracker: Any) -> tuple[str, str]:
     return phase, innermost.split(".", 1)[1] if "." in innermost else innermost
 
 
+# ----------------------------------------------------------------------------- a real cap
+
+
+class OutOfMemory(MemoryError):
+    """An allocation the cap refused, in one line: how much, where, the limit."""
+
+
+def data_segment_bytes() -> int:
+    """This process's data segment now (Linux's VmData): the private writable memory it
+    has mapped, which RLIMIT_DATA limits."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmData (not Linux?)")
+
+
+@contextlib.contextmanager
+def host_memory_cap(limit: int, above: int, where=lambda: "the step"):
+    """Let this process allocate at most `limit` bytes above `above` (its data segment
+    when the count starts, `data_segment_bytes()`) inside the block: an allocation past
+    it fails, and the block raises `OutOfMemory` saying where (`where()`) and how much.
+
+    Why the data segment (RLIMIT_DATA, Linux >= 4.7) and not the address space
+    (RLIMIT_AS): PyTorch, its libraries and every thread reserve address space they never
+    touch (gigabytes of it), while RLIMIT_DATA counts only private writable mappings,
+    which is where a tensor's storage comes from (glibc's malloc, `mmap` or `brk`). It
+    counts what is allocated, touched or not, so it is at least what is resident (VmHWM);
+    threads' stacks count too. A cgroup's memory.max would count resident pages, but
+    needs a cgroup this process may create, which a notebook or a container often
+    cannot. Only the soft limit is lowered, and raised back after the block."""
+    import re
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = above + check_memory_limit(limit)
+    if data_segment_bytes() > cap:
+        raise OutOfMemory(f"out of memory before {where()}: this process holds "
+                          f"{(data_segment_bytes() - above) / 2**20:.2f} MiB above its start, "
+                          f"over the limit of {limit / 2**20:.2f} MiB")
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    try:
+        yield
+    except RuntimeError as exc:
+        asked = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(exc))
+        if asked is None:
+            raise
+        held = data_segment_bytes() - above
+        raise OutOfMemory(f"out of memory in {where()}: {held / 2**20:.2f} MiB held + "
+                          f"{int(asked[1]) / 2**20:.2f} MiB asked > limit "
+                          f"{limit / 2**20:.2f} MiB") from None
+    except OutOfMemory:
+        raise
+    except MemoryError:  # refused inside C++ code (gloo's buffers: std::bad_alloc)
+        held = data_segment_bytes() - above
+        raise OutOfMemory(f"out of memory in {where()}: {held / 2**20:.2f} MiB held + an "
+                          f"allocation of the collectives > limit "
+                          f"{limit / 2**20:.2f} MiB") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
 __all__ = ["straggle", "check_straggler", "LimitCrossing", "LimitWatch", "memory_limit",
-           "check_memory_limit"]
+           "check_memory_limit", "OutOfMemory", "host_memory_cap", "data_segment_bytes"]

@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab.comm.compat import all_gather_into
+from shardlab.infinity import DEFAULTS as DISK_DEFAULTS
+from shardlab.infinity import DiskOptions, DiskTier, ParamsOnDisk, StreamedOptimizer
 from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.muon import Place
 from shardlab.precision import Precision
@@ -63,6 +66,12 @@ class FlatBuffer:
         self.unsharded = [nn.Parameter(self.full[o:o + s.numel].view(s.shape),
                                        requires_grad=self.requires_grad)
                           for o, s in zip(self.offsets, slots)]
+        # The original parameters' values now live in the shards: keep only their
+        # metadata, or the rank would hold a whole second copy of the model (4Ψ bytes in
+        # fp32, measured) that no count of its model states sees.
+        for s in slots:
+            s.param = nn.Parameter(torch.empty_like(s.param, device="meta"),
+                                   requires_grad=s.param.requires_grad)
 
 
 class FlatUnit(ShardedUnit):
@@ -188,7 +197,33 @@ class FlatUnit(ShardedUnit):
         return out
 
 
-ZERO3_OPTIONS = {"wrap": "auto", "prefetch": False, "reshard_after_forward": True}
+class DiskFlatUnit(FlatUnit):
+    """ZeRO-3 with the parameter shards on disk (ZeRO-Infinity's `offload_param`): a
+    shard is read in just before its all-gather and freed once gathered
+    (`shardlab.infinity.ParamsOnDisk`, which also reads the next unit's ahead)."""
+
+    def __init__(self, module, slots, *, params_on_disk: ParamsOnDisk, **kwargs):
+        super().__init__(module, slots, **kwargs)
+        self.params_on_disk = params_on_disk
+
+    def start_all_gathers(self) -> list:
+        self.params_on_disk.bring_in(self)
+        return super().start_all_gathers()
+
+    def use_gathered(self) -> None:
+        self.params_on_disk.release(self)  # gathered: the shards are back on disk only
+
+    def gather_full(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        with self.params_on_disk.brought_in(self):
+            return super().gather_full(rank0_only)
+
+
+ZERO3_OPTIONS = {"wrap": "auto", "prefetch": False, "reshard_after_forward": True,
+                 **DISK_DEFAULTS}
+# Why a run of zero3 with its states on disk has no checkpoint of the course
+DISK_CHECKPOINTS = ("zero3 with offload keeps its optimizer states in files of its own, "
+                    "read and written chunk by chunk: shardlab.checkpoint does not save "
+                    "them; train without offload to save checkpoints")
 
 
 def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -199,12 +234,20 @@ def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     options: wrap (a policy of `shardlab.wrap`: "auto", "blocks", "model", "class:Name",
     "min-params:N", classes or a function module -> bool), prefetch (all-gather the next
     unit while this one computes), reshard_after_forward (True: free after forward,
-    gather again for backward).
+    gather again for backward); ZeRO-Infinity's disk tier (`shardlab.infinity`): offload
+    ("optimizer": the master copy and the optimizer's states on disk; "optimizer+params":
+    the parameter shards too), offload_dir (the folder on the disk), offload_buffers
+    (slots of the ring every transfer goes through, >= 2), offload_buffer_numel (elements
+    per chunk, a multiple of 2048), direct_io (O_DIRECT), keep_offload_files (leave the
+    files in offload_dir after the run).
     """
     options = check_options("zero3", options, ZERO3_OPTIONS)
+    disk = DiskOptions.from_options(options)
     units = unit_modules(model, options["wrap"])
     model = cast_model(model, precision)
     device = storage_device(next(model.parameters()))
+    if disk is not None:
+        return _wrap_on_disk(model, units, precision, optimizer, options, disk, device)
     state = shard_units(model, units, FlatUnit, prefetch=bool(options["prefetch"]),
                         reshard_after_forward=bool(options["reshard_after_forward"]),
                         device=device)
@@ -214,3 +257,32 @@ def wrap_zero3(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
     return Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full,
                    pieces=lambda: state.pieces(opt), extra_state=(state,),
                    clip=optimizer.clip_steps(opt, sharded=True))
+
+
+def _wrap_on_disk(model, units, precision, optimizer, options, disk: DiskOptions,
+                  device) -> Wrapped:
+    """ZeRO-3 whose optimizer states (and parameter shards) live in files."""
+    if device.type != "cpu":
+        raise ValueError("the disk tier of zero3 runs on the CPU (its files are read into "
+                         "host memory); on a GPU, train without offload")
+    params_on_disk = ParamsOnDisk() if disk.params else None
+    unit_class, extra = ((DiskFlatUnit, {"params_on_disk": params_on_disk}) if disk.params
+                         else (FlatUnit, {}))
+    state = shard_units(model, units, unit_class, prefetch=bool(options["prefetch"]),
+                        reshard_after_forward=bool(options["reshard_after_forward"]),
+                        device=device, **extra)
+    # after the sharding's collectives: a disk that fails one rank fails it alone
+    tier = DiskTier(disk, precision, optimizer, dist.get_rank() if dist.is_initialized()
+                    else 0)
+    for u in state.units:
+        for i, b in enumerate(u.buffers):
+            if disk.params or b.requires_grad:
+                tier.add(f"{u.name}.{i}", b)
+    tier.ready()
+    if params_on_disk is not None:
+        params_on_disk.tier = tier
+    trained = [u.trained for u in state.units if u.trained is not None]
+    opt = StreamedOptimizer(tier, trained, optimizer, params_on_disk)
+    return Wrapped(model, opt, no_sync=state.no_sync, full_parameters=state.gather_full,
+                   pieces=None, checkpoint_refusal=DISK_CHECKPOINTS,
+                   extra_state=(state,), clip=opt.clip)
