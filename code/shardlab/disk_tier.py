@@ -60,7 +60,7 @@ def blocks(nbytes: int) -> int:
 def aligned_buffer(nbytes: int) -> torch.Tensor:
     """`nbytes` (whole blocks) of uint8 whose first byte sits on a block boundary, as
     O_DIRECT requires (PyTorch's CPU allocator aligns to 64 bytes only)."""
-    raw = torch.empty(blocks(nbytes) + BLOCK, dtype=torch.uint8)
+    raw = torch.empty(blocks(nbytes) + BLOCK, dtype=torch.uint8, device="cpu")  # host I/O
     skip = -raw.data_ptr() % BLOCK
     return raw[skip:skip + blocks(nbytes)]
 

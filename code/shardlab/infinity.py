@@ -337,7 +337,8 @@ class StreamedOptimizer(InnerOptimizerFace):
                  params_on_disk: ParamsOnDisk | None = None):
         self.tier, self.buffers = tier, buffers
         self.params_on_disk = params_on_disk
-        self.placeholder = nn.Parameter(torch.empty(0, dtype=tier.master_dtype))
+        # the optimizer steps the slots in host memory, where the disk's reads land
+        self.placeholder = nn.Parameter(torch.empty(0, dtype=tier.master_dtype, device="cpu"))
         self.optimizer = spec.build([self.placeholder])
         self.clip: GradClip | None = spec.clipper(sharded=True)
         self.steps = {id(b): 0 for b in buffers}  # the optimizer's step count per shard
@@ -403,7 +404,8 @@ class StreamedOptimizer(InnerOptimizerFace):
         p.data = master
         p.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         state = {name: view(slot, name, n) for name in self.tier.names}
-        state["step"] = torch.tensor(float(self.steps[id(b)]), dtype=torch.float32)
+        state["step"] = torch.tensor(float(self.steps[id(b)]), dtype=torch.float32,
+                                     device="cpu")  # where AdamW keeps its step count
         self.optimizer.state[p] = state
         self.optimizer.step()
         if "param" in self.tier.slots.offsets:
@@ -411,7 +413,7 @@ class StreamedOptimizer(InnerOptimizerFace):
         elif self.tier.master_on_disk and not self.tier.options.params:
             shard[a:a + n].copy_(master)  # the parameter, in memory, from its master
         p.grad = None
-        p.data = torch.empty(0, dtype=master.dtype)
+        p.data = torch.empty(0, dtype=master.dtype, device=master.device)
         self.optimizer.state.pop(p, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

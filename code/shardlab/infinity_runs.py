@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardlab.disk_tier import DiskTierError, disk_bandwidth
 from shardlab.faults import OutOfMemory, data_segment_bytes, host_memory_cap
+from shardlab.launch.devices import rank_device
 from shardlab.measure import host_peak_bytes, host_rss_bytes, reset_host_peak
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.optimizers import optimizer_spec
@@ -210,6 +211,6 @@ def _step(wrapped, x, y, watch) -> torch.Tensor:
 
 
 def _anyone_failed(failed: bool) -> bool:
-    flag = torch.tensor([1.0 if failed else 0.0])
+    flag = torch.tensor([1.0 if failed else 0.0], device=rank_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
