@@ -327,11 +327,16 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
     figure measured with all ranks working at once: the rate of the model's own forward
     and backward on this rank's rows of a batch, AdamW's seconds per parameter, how much
-    of an all-reduce compute hides, and α and β fitted to all-reduces and all-gathers."""
+    of an all-reduce compute hides, and α and β fitted to all-reduces and all-gathers.
+    AdamW's costs per element, per tensor and per DTensor come from its own micro-benchmark
+    (`stepparts.optimizer_costs`), never from a step of a strategy."""
     from dataclasses import replace
 
     from shardlab.models import build_model, get_batch, loss_fn
-    from shardlab.steptime import Machine, adam_seconds, compute_rate, hiding_fraction
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardlab.stepparts import optimizer_costs
+    from shardlab.steptime import Machine, compute_rate, hiding_fraction
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len))
@@ -341,11 +346,14 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
         model = build_model(name, 0, config).to(device)
         rates[label] = compute_rate(model, x, y, loss_fn, repeats=repeats)
     dist.barrier()
-    adam = adam_seconds(repeats=repeats, device=device)
+    adam = optimizer_costs(repeats=repeats, device=device,
+                           mesh=init_device_mesh(device.type, (world,)))
     hiding = hiding_fraction(repeats=repeats, device=device)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)
-    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam, hiding=hiding,
-                      gloo=dist.get_backend() == "gloo")
+    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam.per_element,
+                      hiding=hiding, gloo=dist.get_backend() == "gloo",
+                      adam_tensor_seconds=adam.per_tensor,
+                      dtensor_tensor_seconds=adam.per_dtensor)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
