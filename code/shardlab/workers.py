@@ -357,3 +357,31 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
                       adam_tensor_seconds=adam.per_tensor,
                       dtensor_tensor_seconds=adam.per_dtensor)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
+
+
+def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
+    """Run on every rank: for each strategy, the tensors its optimizer steps on this rank
+    once the model is wrapped (elements of each, DTensors or not), what the time model's
+    layouts (`stepparts.stepped_tensors`) must list; and AdamW's costs measured small, over
+    this world's mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardlab.models import build_model
+    from shardlab.optimizers import OptimizerSpec, inner_optimizer
+    from shardlab.precision import get_precision
+    from shardlab.stepparts import optimizer_costs
+    from shardlab.strategy import get_strategy
+    device = _device()
+    out = {}
+    for name in strategies:
+        wrapped = get_strategy(name)(build_model(model, 0).to(device), get_precision("fp32"),
+                                     OptimizerSpec(torch.optim.AdamW, {"lr": 1e-3}), {})
+        stepped = [p for g in inner_optimizer(wrapped.optimizer).param_groups
+                   for p in g["params"]]
+        out[name] = ([(p.to_local() if isinstance(p, DTensor) else p).numel()
+                      for p in stepped], {isinstance(p, DTensor) for p in stepped})
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    out["costs"] = optimizer_costs(numel=1 << 12, pieces=8, repeats=1, device=device,
+                                   mesh=mesh)
+    return out
