@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -265,11 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         trace(args.trace, args)
         return 0
     choose_models(args.models)
+    # what else ran: a shared machine's load slows the runs and the micro-benchmarks alike,
+    # but not always at the same moments
+    load = {"start": [round(x, 2) for x in os.getloadavg()]}
     rows, machines = [], {}
     for world in args.worlds:
         result = sweep(world, args)
         rows += table(world, result, args)
         machines[world] = [{k: m.__dict__ for k, m in ms.items()} for ms in result["machines"]]
+    load["end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end "
+          f"{load['end']}")
     errors = errors_by_strategy(rows)
     flat = errors_by_strategy(rows, "flat_adamw_ratio")
     print("\nmedian |predicted / measured - 1| of the step, over the model sizes "
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                       "batch": [args.batch_size, args.seq_len], "steps": args.steps,
                       "reps": args.reps, "worlds": args.worlds},
             "machines": {str(w): m for w, m in machines.items()},
+            "load_average": load,
             "median_error": {s: {str(w): e for w, e in ws.items()}
                              for s, ws in errors.items()},
             "median_error_flat_adamw": {s: {str(w): e for w, e in ws.items()}
