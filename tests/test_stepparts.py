@@ -6,6 +6,8 @@
   of each parameter (DTensors under PyTorch's fully_shard), ZeroRedundancyOptimizer's whole
   parameters split by size;
 * the time model prices them per element, per tensor and per DTensor (no clock read);
+* a collective inside a step costs its α-β time times the measured slowdown, which every
+  rank measures alike and which is never below 1;
 * a strategy without a layout is refused in one line.
 """
 
@@ -81,9 +83,35 @@ def test_costs_are_measured_on_every_rank(wrapped):
         assert costs.per_element > 0 and costs.per_tensor >= 0 and costs.per_dtensor >= 0
 
 
+def test_collectives_cost_their_alpha_beta_time_times_the_slowdown(model):
+    from dataclasses import replace
+
+    from shardlab import comm
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0,
+                    gloo=False)
+    slow = replace(plain, comm_slowdown=2.5)
+    a = predict_step("zero3", model, 2, {}, plain, tokens=128)
+    b = predict_step("zero3", model, 2, {}, slow, tokens=128)
+    assert [c.seconds for c in a.collectives] == [
+        pytest.approx(comm.predict_seconds(c.op, c.nbytes, 2, 1e-4, 1e8))
+        for c in a.collectives]
+    assert [c.seconds for c in b.collectives] == pytest.approx(
+        [2.5 * c.seconds for c in a.collectives])
+    # nothing hidden (hiding 0): the step grows by the collectives' extra time alone
+    assert b.step_seconds - a.step_seconds == pytest.approx(1.5 * a.comm_seconds)
+    assert b.compute == a.compute
+
+
+def test_the_slowdown_is_measured_alike_on_every_rank(wrapped):
+    slowdowns = [out["slowdown"] for out in wrapped]
+    assert slowdowns[0] == slowdowns[1] and slowdowns[0] >= 1.0
+
+
 def test_bad_input_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="no optimizer layout"):
         stepped_tensors("deepspeed-zero2", model, 2)
     with pytest.raises(ValueError, match="dtensor_tensor_seconds"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 dtensor_tensor_seconds=-1)
+    with pytest.raises(ValueError, match="comm_slowdown >= 1"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0, comm_slowdown=0.5)

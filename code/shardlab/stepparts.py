@@ -1,4 +1,6 @@
-"""The optimizer's part of a step, as the strategy lays out what a rank steps.
+"""The parts of a step the plain model (6ΨT over F, collectives by their α-β fit alone)
+leaves out, each measured on this machine by a micro-benchmark of its own: the optimizer as
+the strategy lays out what a rank steps, and a collective as it costs inside a step.
 
 AdamW does not cost a fixed time per parameter. On a CPU, and for PyTorch's `DTensor` on
 any device, `torch.optim.AdamW` runs its per-tensor loop (`_single_tensor_adamw`): it
@@ -19,6 +21,15 @@ step. The layout is the card's (`StrategyCard.optimizer_layout`); `stepped_tenso
 each rank's tensors by it (tests/test_stepparts.py checks the lists against the
 optimizers the strategies build). The step waits for the slowest rank: the rank whose
 tensors cost most.
+
+A collective inside a step is not the collective the α-β fit timed alone, with every rank
+idle and released by a barrier. Inside a step each rank reaches it when its own compute
+ends, so the first to arrive waits for the last (the arrival skew the run report measures
+as idle time), and on a CPU gloo's copies take turns on the cores with whatever the other
+ranks still compute. `collective_slowdown` measures the ratio: an all-reduce timed from
+its call to its return right after each rank's own matmuls, with no barrier between,
+against the same all-reduce timed alone. The time model multiplies each collective's α-β
+time by it (`Machine.comm_slowdown`).
 """
 
 from __future__ import annotations
@@ -125,7 +136,8 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _adamw_seconds(params: list[torch.Tensor], repeats: int, device: torch.device) -> float:
+def _adamw_step(params: list[torch.Tensor], device: torch.device) -> Callable[[], None]:
+    """One AdamW step over `params`, warmed up (the moments exist)."""
     params = [nn.Parameter(p) for p in params]
     for p in params:
         p.grad = torch.ones_like(p)
@@ -137,27 +149,70 @@ def _adamw_seconds(params: list[torch.Tensor], repeats: int, device: torch.devic
             torch.cuda.synchronize(device)
 
     step()  # warm-up: creates the moments
-    return _median_seconds(step, repeats)
+    return step
 
 
-def optimizer_costs(numel: int = 1 << 18, pieces: int = 64, repeats: int = 5,
+def optimizer_costs(numel: int = 1 << 18, pieces: int = 64, repeats: int = 7,
                     device: torch.device | str = "cpu", mesh=None) -> OptimizerCosts:
     """AdamW's costs on this machine: `numel` elements as one tensor give e; the same
     elements as `pieces` tensors give t, what each tensor adds; and, given a 1-D device
     `mesh`, the pieces as DTensors sharded on it give d, what a DTensor adds on top
-    (run it on every rank of the mesh). Medians of `repeats` steps."""
+    (run it on every rank of the mesh). The three steps are timed in turn, `repeats`
+    times, and each cost is the median of its differences: a noisy moment on a shared
+    machine then hits the three alike."""
     device = torch.device(device)
-    one = _adamw_seconds([torch.zeros(numel, device=device)], repeats, device)
     size = numel // pieces
-    many = _adamw_seconds([torch.zeros(size, device=device) for _ in range(pieces)],
-                          repeats, device)
-    per_element = one / numel
-    per_tensor = max(0.0, (many - one) / (pieces - 1))
-    per_dtensor = 0.0
+    layouts = [[torch.zeros(numel, device=device)],
+               [torch.zeros(size, device=device) for _ in range(pieces)]]
     if mesh is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
-        shards = [distribute_tensor(torch.zeros(size * mesh.size(), device=device), mesh,
-                                    [Shard(0)]) for _ in range(pieces)]
-        as_dtensors = _adamw_seconds(shards, repeats, device)
-        per_dtensor = max(0.0, (as_dtensors - many) / pieces)
+        layouts.append([distribute_tensor(torch.zeros(size * mesh.size(), device=device),
+                                          mesh, [Shard(0)]) for _ in range(pieces)])
+    steps = [_adamw_step(params, device) for params in layouts]
+    times = [[_median_seconds(step, 1) for step in steps] for _ in range(repeats)]
+    per_element = statistics.median(t[0] for t in times) / numel
+    per_tensor = max(0.0, statistics.median((t[1] - t[0]) / (pieces - 1) for t in times))
+    per_dtensor = (max(0.0, statistics.median((t[2] - t[1]) / pieces for t in times))
+                   if mesh is not None else 0.0)
     return OptimizerCosts(per_element, per_tensor, per_dtensor)
+
+
+def collective_slowdown(numel: int = 1 << 16, repeats: int = 7,
+                        device: torch.device | str = "cpu") -> float:
+    """Run on every rank of the default group: how many times longer an all-reduce of
+    `numel` fp32 elements takes inside a step than alone. Alone: every rank released by a
+    barrier. Inside: each rank runs its own matmuls (about the all-reduce's time, the same
+    work on every rank) and calls the all-reduce as soon as they end, no barrier between;
+    timed from the call to its return, it includes waiting for the ranks that arrive later
+    and gloo's copies running beside their compute. The ratio of the medians, at least 1,
+    the same on every rank (the largest: a collective ends on all ranks together)."""
+    import torch.distributed as dist
+    device = torch.device(device)
+    x = torch.ones(numel, device=device)
+    a = torch.randn(128, 128, device=device)
+
+    def done():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def all_reduce():
+        dist.all_reduce(x)
+        done()
+
+    all_reduce()  # warm-up
+    alone = []
+    for _ in range(repeats):
+        dist.barrier()
+        alone.append(_median_seconds(all_reduce, 1))
+    one_matmul = max(_median_seconds(lambda: (a @ a, done()), 3), 1e-6)
+    matmuls = max(1, int(statistics.median(alone) / one_matmul))
+    inside = []
+    dist.barrier()
+    for _ in range(repeats):
+        for _ in range(matmuls):
+            a @ a
+        done()
+        inside.append(_median_seconds(all_reduce, 1))
+    ratio = torch.tensor([statistics.median(inside) / statistics.median(alone)])
+    dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+    return max(1.0, float(ratio))

@@ -75,14 +75,17 @@ class Machine:
                                    # broadcast as a binomial tree
     adam_tensor_seconds: float = 0.0    # what AdamW adds per tensor it steps, and per
     dtensor_tensor_seconds: float = 0.0  # DTensor on top (`stepparts.optimizer_costs`)
+    comm_slowdown: float = 1.0     # a collective inside a step over alone: arrival skew
+                                   # and copies beside compute (`stepparts`)
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1
-                and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0):
+                and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0
+                and self.comm_slowdown >= 1):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
-                             f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0 "
-                             f"and 0 <= hiding <= 1, got {self}")
+                             f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0, "
+                             f"comm_slowdown >= 1 and 0 <= hiding <= 1, got {self}")
 
 
 def gpu_machine(flops: float, alpha: float, beta: float, *, hiding: float | None,
@@ -266,7 +269,8 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
-    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it. On
+    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it,
+    times the machine's measured slowdown inside a step (`comm_slowdown`). On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
     rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
@@ -276,8 +280,10 @@ def collective_seconds_on_machine(op: str, nbytes: int, world: int,
         if op == "reduce_scatter":
             op = "all_reduce"
         elif op == "broadcast" and world > 1 and nbytes > 0:
-            return math.ceil(math.log2(world)) * (machine.alpha + nbytes / machine.beta)
-    return predict_seconds(op, nbytes, world, machine.alpha, machine.beta)
+            return machine.comm_slowdown * math.ceil(math.log2(world)) * (
+                machine.alpha + nbytes / machine.beta)
+    return machine.comm_slowdown * predict_seconds(op, nbytes, world, machine.alpha,
+                                                   machine.beta)
 
 
 def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> float:

@@ -327,7 +327,8 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
     figure measured with all ranks working at once: the rate of the model's own forward
     and backward on this rank's rows of a batch, AdamW's seconds per parameter, how much
-    of an all-reduce compute hides, and α and β fitted to all-reduces and all-gathers.
+    of an all-reduce compute hides, how much longer a collective takes inside a step than
+    alone, and α and β fitted to all-reduces and all-gathers.
     AdamW's costs per element, per tensor and per DTensor come from its own micro-benchmark
     (`stepparts.optimizer_costs`), never from a step of a strategy."""
     from dataclasses import replace
@@ -335,7 +336,7 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     from shardlab.models import build_model, get_batch, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardlab.stepparts import optimizer_costs
+    from shardlab.stepparts import collective_slowdown, optimizer_costs
     from shardlab.steptime import Machine, compute_rate, hiding_fraction
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
@@ -349,13 +350,14 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     adam = optimizer_costs(repeats=repeats, device=device,
                            mesh=init_device_mesh(device.type, (world,)))
     hiding = hiding_fraction(repeats=repeats, device=device)
+    slowdown = collective_slowdown(repeats=repeats, device=device)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)
     machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam.per_element,
                       hiding=hiding, gloo=dist.get_backend() == "gloo",
                       adam_tensor_seconds=adam.per_tensor,
-                      dtensor_tensor_seconds=adam.per_dtensor)
+                      dtensor_tensor_seconds=adam.per_dtensor, comm_slowdown=slowdown)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
 
 
@@ -370,7 +372,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     from shardlab.models import build_model
     from shardlab.optimizers import OptimizerSpec, inner_optimizer
     from shardlab.precision import get_precision
-    from shardlab.stepparts import optimizer_costs
+    from shardlab.stepparts import collective_slowdown, optimizer_costs
     from shardlab.strategy import get_strategy
     device = _device()
     out = {}
@@ -384,4 +386,5 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     out["costs"] = optimizer_costs(numel=1 << 12, pieces=8, repeats=1, device=device,
                                    mesh=mesh)
+    out["slowdown"] = collective_slowdown(numel=1 << 10, repeats=1, device=device)
     return out
