@@ -177,15 +177,17 @@ def optimizer_costs(numel: int = 1 << 18, pieces: int = 64, repeats: int = 7,
     return OptimizerCosts(per_element, per_tensor, per_dtensor)
 
 
-def collective_slowdown(numel: int = 1 << 16, repeats: int = 7,
+def collective_slowdown(numel: int = 1 << 18, repeats: int = 9,
                         device: torch.device | str = "cpu") -> float:
     """Run on every rank of the default group: how many times longer an all-reduce of
     `numel` fp32 elements takes inside a step than alone. Alone: every rank released by a
     barrier. Inside: each rank runs its own matmuls (about the all-reduce's time, the same
     work on every rank) and calls the all-reduce as soon as they end, no barrier between;
     timed from the call to its return, it includes waiting for the ranks that arrive later
-    and gloo's copies running beside their compute. The ratio of the medians, at least 1,
-    the same on every rank (the largest: a collective ends on all ranks together)."""
+    and gloo's copies running beside their compute. The two are timed in turn, `repeats`
+    times, and the slowdown is the median of their ratios (a noisy moment on a shared
+    machine hits both of a pair), at least 1, averaged over the ranks so that every rank
+    returns the same figure."""
     import torch.distributed as dist
     device = torch.device(device)
     x = torch.ones(numel, device=device)
@@ -200,19 +202,19 @@ def collective_slowdown(numel: int = 1 << 16, repeats: int = 7,
         done()
 
     all_reduce()  # warm-up
-    alone = []
+    dist.barrier()
+    alone = _median_seconds(all_reduce, 3)
+    one_matmul = max(_median_seconds(lambda: (a @ a, done()), 3), 1e-6)
+    matmuls = max(1, int(alone / one_matmul))
+    ratios = []
     for _ in range(repeats):
         dist.barrier()
-        alone.append(_median_seconds(all_reduce, 1))
-    one_matmul = max(_median_seconds(lambda: (a @ a, done()), 3), 1e-6)
-    matmuls = max(1, int(statistics.median(alone) / one_matmul))
-    inside = []
-    dist.barrier()
-    for _ in range(repeats):
+        alone = _median_seconds(all_reduce, 1)
+        dist.barrier()
         for _ in range(matmuls):
             a @ a
         done()
-        inside.append(_median_seconds(all_reduce, 1))
-    ratio = torch.tensor([statistics.median(inside) / statistics.median(alone)])
-    dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-    return max(1.0, float(ratio))
+        ratios.append(_median_seconds(all_reduce, 1) / alone)
+    mean = torch.tensor([max(1.0, statistics.median(ratios))], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
