@@ -53,10 +53,13 @@ from shardlab.workers import measure_machine, run_all
 # the strategies of the results file (any strategy whose card has a schedule can run)
 STRATEGIES = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero3", "fsdp2",
               "torch-fsdp2"]
-# three sizes of the course's GPT: {label: (model, config)}
+# three sizes of the course's GPT and a held-out Llama: {label: (model, config)}
 MODELS = {"gpt-tiny": ("gpt-tiny", None),
           "gpt-mid": ("gpt-small", {"n_layer": 2, "d_model": 128}),
-          "gpt-small": ("gpt-small", None)}
+          "gpt-small": ("gpt-small", None),
+          # held out: the model was never developed on it (Hugging Face's Llama, from a
+          # config: 2 layers of width 64, grouped-query attention, SwiGLU, RMSNorm)
+          "hf-llama": ("hf-llama", None)}
 TARGET = 0.20
 
 
