@@ -11,7 +11,9 @@ is written on its card, and read there:
                                             has a check to run before any rank starts,
                                             clips with its own library's norm
     the time model (`steptime`)             its schedule, the rule that lists its
-                                            collectives, whether it steps Ψ/N
+                                            collectives, whether it steps Ψ/N, how the
+                                            tensors its optimizer steps are laid out
+                                            (`stepparts`)
     the ZeRO paper's volumes (`comm`)       its bytes sent per step, in multiples of Ψ
     the benchmarks and side-by-side tables  what it is measured against; its ZeRO stage
 
