@@ -10,7 +10,8 @@ what of the communication the strategy's schedule leaves exposed.
                     (`shardlab.stepparts`: one flat shard costs less than Ψ/N
                     elements cut into every parameter's shard)
     communication   each collective, kind and size as the ledger records them, by the
-                    α-β fit of the ring (`comm.predict_seconds`); on gloo a native
+                    α-β fit of the ring (`comm.predict_seconds`) times the measured
+                    slowdown of a collective inside a step (`stepparts`); on gloo a native
                     reduce-scatter is an all-reduce (DESIGN.md), so it costs one
     exposed         the strategy's schedule: where each collective runs and what compute
                     it can hide behind (its card's `schedule`, `shardlab.cards`)
@@ -30,8 +31,8 @@ guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`,
-`stepparts.optimizer_costs`, `hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on
-every rank).
+`stepparts.optimizer_costs`, `stepparts.collective_slowdown`, `hiding_fraction` and
+`comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
 included (each tied weight once), with attention's score and value matmuls left out:

@@ -325,17 +325,17 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
                     seq_len: int = 32, repeats: int = 5) -> dict:
     """Run on every rank: this machine as the step-time model sees it, one
     `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
-    figure measured with all ranks working at once: the rate of the model's own forward
-    and backward on this rank's rows of a batch, AdamW's seconds per parameter, how much
-    of an all-reduce compute hides, how much longer a collective takes inside a step than
-    alone, and α and β fitted to all-reduces and all-gathers.
-    AdamW's costs per element, per tensor and per DTensor come from its own micro-benchmark
-    (`stepparts.optimizer_costs`), never from a step of a strategy."""
+    figure measured with all ranks working at once, each by a micro-benchmark of its own,
+    never from a step of a strategy: the rate of the model's own forward and backward on
+    this rank's rows of a batch, AdamW's costs per element, per tensor and per DTensor
+    (`stepparts.optimizer_costs`), how much of an all-reduce compute hides, how much
+    longer a collective takes inside a step than alone (`stepparts.collective_slowdown`),
+    and α and β fitted to all-reduces and all-gathers."""
     from dataclasses import replace
 
-    from shardlab.models import build_model, get_batch, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
+    from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.stepparts import collective_slowdown, optimizer_costs
     from shardlab.steptime import Machine, compute_rate, hiding_fraction
     rank, world = dist.get_rank(), dist.get_world_size()
