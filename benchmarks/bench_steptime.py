@@ -6,13 +6,16 @@
 
 For each world size, each repetition is one launch that first measures the machine as the
 model sees it (`shardlab.workers.measure_machine`: the rate of each model's own forward and
-backward, no communication,
-AdamW's rate, how much of an all-reduce compute hides, α and β) and then trains every
+backward, no communication, AdamW's costs per element, per tensor and per DTensor, how much
+of an all-reduce compute hides, α and β; micro-benchmarks only) and then trains every
 (model, strategy) once, in turn, so that a noisy minute on a shared machine hits them
 alike. The prediction (`shardlab.steptime.predict_step`) is made from that repetition's
 machine and the strategy's rules alone, before its run; the measured step is the slowest
 rank's median step, the exposed communication the ranks' mean of the run report's.
-A strategy's figures are medians over repetitions.
+A strategy's figures are medians over repetitions. The same runs are also predicted by the
+plain model, without the parts `shardlab.stepparts` measures (AdamW priced per element
+alone, as one flat tensor costs; each collective at its α-β time alone): the "plain" error
+beside the parts' error.
 
 Where a prediction misses by more than 20%, the line says which term is off most:
 compute (predicted 6ΨT/F and the optimizer, against the measured step less its exposed
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -49,10 +53,13 @@ from shardlab.workers import measure_machine, run_all
 # the strategies of the results file (any strategy whose card has a schedule can run)
 STRATEGIES = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero3", "fsdp2",
               "torch-fsdp2"]
-# three sizes of the course's GPT: {label: (model, config)}
+# three sizes of the course's GPT and a held-out Llama: {label: (model, config)}
 MODELS = {"gpt-tiny": ("gpt-tiny", None),
           "gpt-mid": ("gpt-small", {"n_layer": 2, "d_model": 128}),
-          "gpt-small": ("gpt-small", None)}
+          "gpt-small": ("gpt-small", None),
+          # held out: the model was never developed on it (Hugging Face's Llama, from a
+          # config: 2 layers of width 64, grouped-query attention, SwiGLU, RMSNorm)
+          "hf-llama": ("hf-llama", None)}
 TARGET = 0.20
 
 
@@ -61,6 +68,13 @@ def configs(world: int, args) -> list[TrainConfig]:
                        seq_len=args.seq_len, measure_memory=False)
     return [replace(base, strategy=s, model=name, model_config=config)
             for label, (name, config) in MODELS.items() for s in args.strategies]
+
+
+def choose_models(labels: list[str]) -> None:
+    """Keep the models named (`--models`), in MODELS' order."""
+    for label in list(MODELS):
+        if label not in labels:
+            del MODELS[label]
 
 
 def measured(reports) -> dict:
@@ -79,11 +93,18 @@ def measured(reports) -> dict:
 
 def predicted(strategy: str, label: str, world: int, machine, args) -> dict:
     name, config = MODELS[label]
-    step = predict_step(strategy, build_model(name, 0, config), world, {}, machine,
-                        tokens=args.batch_size // world * args.seq_len)
+    model = build_model(name, 0, config)
+    tokens = args.batch_size // world * args.seq_len
+    step = predict_step(strategy, model, world, {}, machine, tokens=tokens)
+    # the plain model: AdamW per element only, as one flat tensor costs, and each
+    # collective at its α-β time alone
+    plain = predict_step(strategy, model, world, {}, replace(
+        machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, comm_slowdown=1.0),
+        tokens=tokens)
     return {"step": step.step_seconds, "exposed": step.exposed_seconds,
             "comm": step.comm_seconds, "compute": step.compute_seconds,
-            "sent": step.sent_bytes}
+            "optimizer": step.compute["step"], "sent": step.sent_bytes,
+            "step_plain": plain.step_seconds}
 
 
 def off_term(p: dict, m: dict) -> str:
@@ -127,12 +148,15 @@ def median_of(samples: list[dict]) -> dict:
 
 
 def table(world: int, result: dict, args) -> list[dict]:
-    m0 = result["machines"][0]["gpt-small"]
+    m0 = result["machines"][0][list(MODELS)[-1]]
     print(f"\nworld {world}: α {1e6 * m0.alpha:.0f} µs, β {m0.beta / 1e9:.2f} GB/s, "
-          f"hiding {m0.hiding:.2f}, AdamW {1e9 * m0.adam_seconds:.1f} ns/param, compute "
+          f"hiding {m0.hiding:.2f}, AdamW {1e9 * m0.adam_seconds:.1f} ns/param + "
+          f"{1e6 * m0.adam_tensor_seconds:.1f} µs/tensor + "
+          f"{1e6 * m0.dtensor_tensor_seconds:.1f} µs/DTensor, collectives "
+          f"{m0.comm_slowdown:.2f}x inside a step, compute "
           + ", ".join(f"{k} {r[k].flops / 1e9:.1f}" for r in result["machines"][:1]
                       for k in MODELS) + " GFLOP/s per rank (repetition 1)")
-    head = (f"{'model':<10} {'strategy':<12} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} "
+    head = (f"{'model':<10} {'strategy':<12} {'plain':>6} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} "
             f"{'pred exp':>9} {'meas exp':>9} {'ratio':>6} {'mm-util %':>9}  term off")
     print(head)
     print("-" * len(head))
@@ -140,9 +164,11 @@ def table(world: int, result: dict, args) -> list[dict]:
     for (label, strategy), row in result["rows"].items():
         p, m = median_of(row["predicted"]), median_of(row["measured"])
         ratio = p["step"] / m["step"]
+        plain_ratio = p["step_plain"] / m["step"]
         exp_ratio = p["exposed"] / m["exposed"] if m["exposed"] > 0 else float("nan")
         note = off_term(p, m) if abs(ratio - 1) > TARGET else ""
-        print(f"{label:<10} {strategy:<12} {1e3 * p['step']:>8.1f} {1e3 * m['step']:>8.1f} "
+        print(f"{label:<10} {strategy:<12} {plain_ratio:>6.2f} "
+              f"{1e3 * p['step']:>8.1f} {1e3 * m['step']:>8.1f} "
               f"{ratio:>6.2f} {1e3 * p['exposed']:>9.1f} {1e3 * m['exposed']:>9.1f} "
               f"{exp_ratio:>6.2f} {m['matmul_utilization']:>9.1f}  {note}")
         out.append({"world": world, "model": label, "strategy": strategy,
@@ -151,16 +177,17 @@ def table(world: int, result: dict, args) -> list[dict]:
                     "predicted": {k: round(v, 6) for k, v in p.items()},
                     "measured": {k: round(v, 6) for k, v in m.items()},
                     "step_ratio": round(ratio, 3), "exposed_ratio": round(exp_ratio, 3),
+                    "plain_ratio": round(plain_ratio, 3),
                     "term_off": note or None})
     return out
 
 
-def errors_by_strategy(rows: list[dict]) -> dict:
+def errors_by_strategy(rows: list[dict], key: str = "step_ratio") -> dict:
     """{strategy: {world: median |predicted/measured - 1| over the model sizes}}"""
     out: dict = {}
     for r in rows:
         out.setdefault(r["strategy"], {}).setdefault(r["world"], []).append(
-            abs(r["step_ratio"] - 1))
+            abs(r[key] - 1))
     return {s: {w: round(statistics.median(v), 3) for w, v in ws.items()}
             for s, ws in out.items()}
 
@@ -230,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", nargs="+", default=STRATEGIES,
                    choices=sorted(n for n, c in CARDS.items()
                                   if c.schedule is not None and not c.one_process))
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                   help="the model sizes to run (default: all three)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="steps per run (first and last "
                    "left out of the timing)")
@@ -243,26 +272,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:
         trace(args.trace, args)
         return 0
+    choose_models(args.models)
+    # what else ran: a shared machine's load slows the runs and the micro-benchmarks alike,
+    # but not always at the same moments
+    load = {"start": [round(x, 2) for x in os.getloadavg()]}
     rows, machines = [], {}
     for world in args.worlds:
         result = sweep(world, args)
         rows += table(world, result, args)
         machines[world] = [{k: m.__dict__ for k, m in ms.items()} for ms in result["machines"]]
+    load["end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end "
+          f"{load['end']}")
     errors = errors_by_strategy(rows)
-    print("\nmedian |predicted / measured - 1| of the step, over the model sizes:")
+    plain = errors_by_strategy(rows, "plain_ratio")
+    print("\nmedian |predicted / measured - 1| of the step, over the model sizes "
+          "(in brackets: the same runs, the plain model: AdamW as one flat tensor, "
+          "collectives at their α-β time alone):")
     for s, ws in errors.items():
-        print(f"  {s:<12} " + "  ".join(f"world {w}: {100 * e:.0f}%"
+        print(f"  {s:<12} " + "  ".join(f"world {w}: {100 * e:.0f}% ({100 * plain[s][w]:.0f}%)"
                                         f"{' (misses 20%)' if e > TARGET else ''}"
                                         for w, e in ws.items()))
     growth(rows, args.worlds)
     print("\ntokens per rank from which backward covers the step's communication "
-          "(the model, repetition 1's machine, gpt-small):")
+          f"(the model, repetition 1's machine, {list(MODELS)[-1]}):")
     for world in args.worlds:
-        machine = machines[world][0]["gpt-small"]
+        machine = machines[world][0][list(MODELS)[-1]]
         from shardlab.steptime import Machine
         m = Machine(**machine)
         print(f"  world {world}: " + ", ".join(
-            f"{s} {hide_threshold(world, m, s, 'gpt-small'):,.0f}" for s in args.strategies)
+            f"{s} {hide_threshold(world, m, s, list(MODELS)[-1]):,.0f}"
+            for s in args.strategies)
             + f"   (runs here: {args.batch_size // world * args.seq_len})")
     if args.results:
         Path(args.results).write_text(json.dumps({
@@ -273,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                       "batch": [args.batch_size, args.seq_len], "steps": args.steps,
                       "reps": args.reps, "worlds": args.worlds},
             "machines": {str(w): m for w, m in machines.items()},
+            "load_average": load,
             "median_error": {s: {str(w): e for w, e in ws.items()}
                              for s, ws in errors.items()},
+            "median_error_plain": {s: {str(w): e for w, e in ws.items()}
+                                   for s, ws in plain.items()},
             "rows": rows, "source": "measured by the command above"}, indent=1) + "\n")
     return 0
 

@@ -11,7 +11,9 @@ is written on its card, and read there:
                                             has a check to run before any rank starts,
                                             clips with its own library's norm
     the time model (`steptime`)             its schedule, the rule that lists its
-                                            collectives, whether it steps Ψ/N
+                                            collectives, whether it steps Ψ/N, how the
+                                            tensors its optimizer steps are laid out
+                                            (`stepparts`)
     the ZeRO paper's volumes (`comm`)       its bytes sent per step, in multiples of Ψ
     the benchmarks and side-by-side tables  what it is measured against; its ZeRO stage
 
@@ -115,6 +117,12 @@ class StrategyCard:
     plan: str | None = None
     sharded_step: bool = False
     gather_overlap_option: str | None = None
+    # How the tensors its optimizer steps are laid out on a rank (`stepparts.LAYOUTS`):
+    # "whole" parameters, one "flat-shard" of them all, "unit-flat-shards" (one per
+    # unit), "dim0-shards" of each parameter (as "dim0-dtensors" under PyTorch's
+    # fully_shard), or the whole parameters a rank owns ("owned-parameters"). AdamW pays
+    # per tensor as well as per element (`stepparts`). None: no time model.
+    optimizer_layout: str | None = None
     # The designs of a whole-matrix optimizer (Muon, `shardlab.muon.designs`) it can
     # honour, the default first: "gather", "owner", "whole". A strategy that keeps every
     # matrix whole on every rank honours "whole" alone, each rank orthogonalizing every
@@ -131,22 +139,26 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
     StrategyCard(
         "single", "shardlab.strategy:wrap_single", SINGLE_PROCESS,
         muon_designs=WHOLE_ON_EVERY_RANK,
-        volume_factor=0, collectives="none", schedule={}, plan="none"),
+        volume_factor=0, collectives="none", schedule={}, plan="none",
+        optimizer_layout="whole"),
     StrategyCard(
         "ddp", "shardlab.ddp:wrap_ddp", OURS, reference="torch-ddp",
         muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
-        schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets"),
+        schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets",
+        optimizer_layout="whole"),
     StrategyCard(
         "ddp-naive", "shardlab.ddp:wrap_ddp_naive", OURS, reference="torch-ddp",
         muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
-        schedule={"all_reduce": ("step", "waited")}, plan="per-parameter"),
+        schedule={"all_reduce": ("step", "waited")}, plan="per-parameter",
+        optimizer_layout="whole"),
     StrategyCard(
         "torch-ddp", "shardlab.ddp:wrap_torch_ddp", PYTORCH, clips_by_own_library=True,
         muon_designs=WHOLE_ON_EVERY_RANK,
         volume_factor=2, collectives=ALL_REDUCE,
-        schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets"),
+        schedule=BUCKETS_IN_BACKWARD, plan="ddp-buckets",
+        optimizer_layout="whole"),
     StrategyCard(
         "zero1", "shardlab.zero:wrap_zero1", OURS, reference="torch-zero1",
         deepspeed_reference="deepspeed-zero1", zero_stage=1,
@@ -154,7 +166,8 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         schedule={"reduce_scatter": ("step", "waited"),
                   "all_gather": ("forward", "prefetched")},
         plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
-        muon_designs=("gather", "owner", "whole")),
+        muon_designs=("gather", "owner", "whole"),
+        optimizer_layout="flat-shard"),
     StrategyCard(
         "zero2", "shardlab.zero:wrap_zero2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero2", zero_stage=2,
@@ -162,7 +175,8 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         schedule={"reduce_scatter": ("backward", "produced"),
                   "all_gather": ("forward", "prefetched")},
         plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
-        muon_designs=("gather", "owner", "whole")),
+        muon_designs=("gather", "owner", "whole"),
+        optimizer_layout="flat-shard"),
     StrategyCard(
         "torch-zero1", "shardlab.zero:wrap_torch_zero1", PYTORCH,
         deepspeed_reference="deepspeed-zero1", zero_stage=1, clips_by_own_library=True,
@@ -170,20 +184,23 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         volume_factor=3, collectives=ALL_REDUCE + " + broadcast of the updated parameters "
                                                   "from the rank that owns each (Ψ)",
         schedule={"all_reduce": ("backward", "produced"), "broadcast": ("step", "waited")},
-        plan="ddp-buckets-then-broadcasts", sharded_step=True),
+        plan="ddp-buckets-then-broadcasts", sharded_step=True,
+        optimizer_layout="owned-parameters"),
     StrategyCard(
         "zero3", "shardlab.zero3:wrap_zero3", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
         shards_on_meta=True, volume_factor=3, collectives=GATHER_TWICE,
         schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True,
-        muon_designs=("gather", "owner")),
+        muon_designs=("gather", "owner"),
+        optimizer_layout="unit-flat-shards"),
     StrategyCard(
         "fsdp2", "shardlab.fsdp:wrap_fsdp2", OURS, reference="torch-fsdp2",
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
         shards_on_meta=True, launch_check="shardlab.fsdp.strategies:check_options_before_launch",
         volume_factor=3, collectives=GATHER_TWICE,
         schedule=GATHER_TWICE_WAITED, plan="units", sharded_step=True,
-        muon_designs=("gather", "owner")),
+        muon_designs=("gather", "owner"),
+        optimizer_layout="dim0-shards"),
     StrategyCard(
         "torch-fsdp2", "shardlab.fsdp:wrap_torch_fsdp2", PYTORCH,
         deepspeed_reference="deepspeed-zero3", zero_stage=3, takes_units=True,
@@ -193,7 +210,8 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         # its backward prefetches the next unit's all-gather (FSDP2's default)
         schedule={"all_gather": (("forward", "waited"), ("backward", "prefetched")),
                   "reduce_scatter": ("backward", "produced")},
-        plan="units", sharded_step=True, muon_designs=("gather", "owner")),
+        plan="units", sharded_step=True, muon_designs=("gather", "owner"),
+        optimizer_layout="dim0-dtensors"),
     StrategyCard(
         "hsdp", "shardlab.hsdp:wrap_hsdp", OURS, reference="torch-hsdp", takes_units=True,
         shards_on_meta=True, launch_check="shardlab.hsdp:check_options_before_launch",

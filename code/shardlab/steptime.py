@@ -5,10 +5,13 @@ what of the communication the strategy's schedule leaves exposed.
                     F the rate this machine reaches on the model's own forward and
                     backward with all ranks running (`compute_rate`; the matmul rate
                     `matmul_rate` is its ceiling on this machine);
-                    the optimizer step: the parameters this rank steps x AdamW's
-                    measured seconds per parameter (Ψ for DDP, Ψ/N once sharded)
+                    the optimizer step: AdamW over the tensors the slowest rank steps,
+                    as the strategy lays them out, per element and per tensor
+                    (`shardlab.stepparts`: one flat shard costs less than Ψ/N
+                    elements cut into every parameter's shard)
     communication   each collective, kind and size as the ledger records them, by the
-                    α-β fit of the ring (`comm.predict_seconds`); on gloo a native
+                    α-β fit of the ring (`comm.predict_seconds`) times the measured
+                    slowdown of a collective inside a step (`stepparts`); on gloo a native
                     reduce-scatter is an all-reduce (DESIGN.md), so it costs one
     exposed         the strategy's schedule: where each collective runs and what compute
                     it can hide behind (its card's `schedule`, `shardlab.cards`)
@@ -27,9 +30,9 @@ GPU run measures it. `gpu_machine` therefore takes `hiding` explicitly, and refu
 guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
-`Machine` holds what it needs of the machine, measured by `compute_rate`, `adam_seconds`,
-`hiding_fraction` and `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on
-every rank).
+`Machine` holds what it needs of the machine, measured by `compute_rate`,
+`stepparts.optimizer_costs`, `stepparts.collective_slowdown`, `hiding_fraction` and
+`comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
 included (each tied weight once), with attention's score and value matmuls left out:
@@ -53,6 +56,7 @@ from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
+from shardlab.stepparts import OptimizerCosts, optimizer_seconds
 from shardlab.units import MiB
 from shardlab.wrap import unit_modules
 
@@ -70,12 +74,19 @@ class Machine:
                                    # measured (`hiding_fraction`), never a default
     gloo: bool = True              # gloo's algorithms: reduce-scatter as an all-reduce,
                                    # broadcast as a binomial tree
+    adam_tensor_seconds: float = 0.0    # what AdamW adds per tensor it steps, and per
+    dtensor_tensor_seconds: float = 0.0  # DTensor on top (`stepparts.optimizer_costs`)
+    comm_slowdown: float = 1.0     # a collective inside a step over alone: arrival skew
+                                   # and copies beside compute (`stepparts`)
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
-                and self.adam_seconds >= 0 and 0 <= self.hiding <= 1):
+                and self.adam_seconds >= 0 and 0 <= self.hiding <= 1
+                and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0
+                and self.comm_slowdown >= 1):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
-                             f"adam_seconds >= 0 and 0 <= hiding <= 1, got {self}")
+                             f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0, "
+                             f"comm_slowdown >= 1 and 0 <= hiding <= 1, got {self}")
 
 
 def gpu_machine(flops: float, alpha: float, beta: float, *, hiding: float | None,
@@ -259,7 +270,8 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
-    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it. On
+    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it,
+    times the machine's measured slowdown inside a step (`comm_slowdown`). On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
     rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
@@ -269,8 +281,10 @@ def collective_seconds_on_machine(op: str, nbytes: int, world: int,
         if op == "reduce_scatter":
             op = "all_reduce"
         elif op == "broadcast" and world > 1 and nbytes > 0:
-            return math.ceil(math.log2(world)) * (machine.alpha + nbytes / machine.beta)
-    return predict_seconds(op, nbytes, world, machine.alpha, machine.beta)
+            return machine.comm_slowdown * math.ceil(math.log2(world)) * (
+                machine.alpha + nbytes / machine.beta)
+    return machine.comm_slowdown * predict_seconds(op, nbytes, world, machine.alpha,
+                                                   machine.beta)
 
 
 def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> float:
@@ -303,10 +317,16 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
                          f"tokens={tokens}")
     options = dict(options or {})
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    stepped = psi / world if strategy_card.sharded_step else psi
+    if strategy_card.optimizer_layout is not None:
+        optimizer = optimizer_seconds(strategy, model, world, OptimizerCosts(
+            machine.adam_seconds, machine.adam_tensor_seconds,
+            machine.dtensor_tensor_seconds))
+    else:
+        stepped = psi / world if strategy_card.sharded_step else psi
+        optimizer = stepped * machine.adam_seconds
     compute = {"forward": 2 * psi * tokens / machine.flops,
                "backward": 4 * psi * tokens / machine.flops,
-               "step": stepped * machine.adam_seconds}
+               "step": optimizer}
     if ledger is not None:
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:
@@ -430,23 +450,6 @@ def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
     seconds = _median_seconds(forward_backward, repeats)
     model.zero_grad(set_to_none=True)
     return 6 * psi * x.numel() / seconds
-
-
-def adam_seconds(numel: int = 1 << 20, repeats: int = 3,
-                 device: torch.device | str = "cpu") -> float:
-    """AdamW's seconds per parameter: the median of `repeats` steps on one flat tensor."""
-    device = torch.device(device)
-    p = nn.Parameter(torch.zeros(numel, device=device))
-    p.grad = torch.ones(numel, device=device)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-
-    def step():
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    step()  # warm-up: creates the moments
-    return _median_seconds(step, repeats) / numel
 
 
 def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,

@@ -325,13 +325,19 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
                     seq_len: int = 32, repeats: int = 5) -> dict:
     """Run on every rank: this machine as the step-time model sees it, one
     `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
-    figure measured with all ranks working at once: the rate of the model's own forward
-    and backward on this rank's rows of a batch, AdamW's seconds per parameter, how much
-    of an all-reduce compute hides, and α and β fitted to all-reduces and all-gathers."""
+    figure measured with all ranks working at once, each by a micro-benchmark of its own,
+    never from a step of a strategy: the rate of the model's own forward and backward on
+    this rank's rows of a batch, AdamW's costs per element, per tensor and per DTensor
+    (`stepparts.optimizer_costs`), how much of an all-reduce compute hides, how much
+    longer a collective takes inside a step than alone (`stepparts.collective_slowdown`),
+    and α and β fitted to all-reduces and all-gathers."""
     from dataclasses import replace
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     from shardlab.models import build_model, get_batch, loss_fn
-    from shardlab.steptime import Machine, adam_seconds, compute_rate, hiding_fraction
+    from shardlab.stepparts import collective_slowdown, optimizer_costs
+    from shardlab.steptime import Machine, compute_rate, hiding_fraction
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len))
@@ -341,11 +347,44 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
         model = build_model(name, 0, config).to(device)
         rates[label] = compute_rate(model, x, y, loss_fn, repeats=repeats)
     dist.barrier()
-    adam = adam_seconds(repeats=repeats, device=device)
+    adam = optimizer_costs(repeats=repeats, device=device,
+                           mesh=init_device_mesh(device.type, (world,)))
     hiding = hiding_fraction(repeats=repeats, device=device)
+    slowdown = collective_slowdown(repeats=repeats, device=device)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)
-    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam, hiding=hiding,
-                      gloo=dist.get_backend() == "gloo")
+    machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam.per_element,
+                      hiding=hiding, gloo=dist.get_backend() == "gloo",
+                      adam_tensor_seconds=adam.per_tensor,
+                      dtensor_tensor_seconds=adam.per_dtensor, comm_slowdown=slowdown)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
+
+
+def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
+    """Run on every rank: for each strategy, the tensors its optimizer steps on this rank
+    once the model is wrapped (elements of each, DTensors or not), what the time model's
+    layouts (`stepparts.stepped_tensors`) must list; and AdamW's costs measured small, over
+    this world's mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardlab.models import build_model
+    from shardlab.optimizers import OptimizerSpec, inner_optimizer
+    from shardlab.precision import get_precision
+    from shardlab.stepparts import collective_slowdown, optimizer_costs
+    from shardlab.strategy import get_strategy
+    device = _device()
+    out = {}
+    for name in strategies:
+        wrapped = get_strategy(name)(build_model(model, 0).to(device), get_precision("fp32"),
+                                     OptimizerSpec(torch.optim.AdamW, {"lr": 1e-3}), {})
+        stepped = [p for g in inner_optimizer(wrapped.optimizer).param_groups
+                   for p in g["params"]]
+        out[name] = ([(p.to_local() if isinstance(p, DTensor) else p).numel()
+                      for p in stepped], {isinstance(p, DTensor) for p in stepped})
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    out["costs"] = optimizer_costs(numel=1 << 12, pieces=8, repeats=1, device=device,
+                                   mesh=mesh)
+    out["slowdown"] = collective_slowdown(numel=1 << 10, repeats=1, device=device)
+    return out

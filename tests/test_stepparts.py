@@ -1,0 +1,117 @@
+"""The optimizer's part of the step, as each strategy lays out what a rank steps.
+
+* the layouts on the cards list the tensors the wrapped strategies' optimizers really step,
+  rank by rank (one launch of 2 ranks, gpt-tiny, every timed strategy): DDP's 28 whole
+  parameters, ZeRO-1/2's one flat shard, ZeRO-3's flat shard per unit, FSDP2's dim-0 shard
+  of each parameter (DTensors under PyTorch's fully_shard), ZeroRedundancyOptimizer's whole
+  parameters split by size;
+* the time model prices them per element, per tensor and per DTensor (no clock read);
+* a collective inside a step costs its α-β time times the measured slowdown, which every
+  rank measures alike and which is never below 1;
+* a strategy without a layout is refused in one line.
+"""
+
+import pytest
+
+from shardlab.cards import CARDS
+from shardlab.launch import launch
+from shardlab.models import build_model
+from shardlab.stepparts import (LAYOUTS, OptimizerCosts, optimizer_seconds,
+                                stepped_tensors)
+from shardlab.steptime import Machine, predict_step
+from shardlab.workers import optimizer_layouts
+
+TIMED = [n for n, c in CARDS.items() if c.schedule is not None and not c.one_process]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("gpt-tiny", 0)
+
+
+@pytest.fixture(scope="module")
+def wrapped():
+    return launch(optimizer_layouts, 2, TIMED)
+
+
+def test_every_timed_strategy_has_a_layout():
+    assert TIMED and all(CARDS[n].optimizer_layout in LAYOUTS for n in TIMED)
+
+
+@pytest.mark.parametrize("strategy", TIMED)
+def test_the_layout_lists_what_the_optimizer_steps(wrapped, model, strategy):
+    expected = stepped_tensors(strategy, model, 2)
+    dtensors = LAYOUTS[CARDS[strategy].optimizer_layout][1]
+    for rank, out in enumerate(wrapped):
+        numels, kinds = out[strategy]
+        assert sorted(numels) == sorted(expected[rank]), (strategy, rank)
+        assert kinds == {dtensors}, strategy
+
+
+def test_layouts_differ_in_count_not_in_elements(model):
+    psi = sum(p.numel() for p in model.parameters())
+    counts = {s: len(stepped_tensors(s, model, 2)[0]) for s in TIMED}
+    assert counts["ddp"] == counts["fsdp2"] == counts["torch-fsdp2"] == 28
+    assert counts["zero1"] == counts["zero2"] == 1 and counts["zero3"] == 3
+    for s in ("zero1", "zero2", "zero3", "fsdp2", "torch-fsdp2"):
+        assert sum(stepped_tensors(s, model, 2)[0]) == psi // 2, s
+    owned = stepped_tensors("torch-zero1", model, 2)
+    assert sum(map(sum, owned)) == psi and sorted(map(len, owned)) == [6, 22]
+
+
+def test_the_optimizer_is_priced_per_element_per_tensor_and_per_dtensor(model):
+    costs = OptimizerCosts(per_element=1e-8, per_tensor=1e-5, per_dtensor=1e-4)
+    psi = sum(p.numel() for p in model.parameters())
+    assert optimizer_seconds("ddp", model, 2, costs) == pytest.approx(psi * 1e-8 + 28e-5)
+    assert optimizer_seconds("zero2", model, 2, costs) == pytest.approx(psi / 2 * 1e-8 + 1e-5)
+    assert optimizer_seconds("torch-fsdp2", model, 2, costs) == pytest.approx(
+        psi / 2 * 1e-8 + 28 * (1e-5 + 1e-4))
+    # the slowest rank: ZeroRedundancyOptimizer's rank of 22 small tensors
+    owned = stepped_tensors("torch-zero1", model, 2)
+    assert optimizer_seconds("torch-zero1", model, 2, costs) == pytest.approx(
+        max(sum(r) * 1e-8 + len(r) * 1e-5 for r in owned))
+    machine = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0,
+                      adam_tensor_seconds=1e-5, dtensor_tensor_seconds=1e-4)
+    step = predict_step("torch-fsdp2", model, 2, {}, machine, tokens=128)
+    assert step.compute["step"] == optimizer_seconds("torch-fsdp2", model, 2, costs)
+
+
+def test_costs_are_measured_on_every_rank(wrapped):
+    for out in wrapped:
+        costs = out["costs"]
+        assert isinstance(costs, OptimizerCosts)
+        assert costs.per_element > 0 and costs.per_tensor >= 0 and costs.per_dtensor >= 0
+
+
+def test_collectives_cost_their_alpha_beta_time_times_the_slowdown(model):
+    from dataclasses import replace
+
+    from shardlab import comm
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0,
+                    gloo=False)
+    slow = replace(plain, comm_slowdown=2.5)
+    a = predict_step("zero3", model, 2, {}, plain, tokens=128)
+    b = predict_step("zero3", model, 2, {}, slow, tokens=128)
+    assert [c.seconds for c in a.collectives] == [
+        pytest.approx(comm.predict_seconds(c.op, c.nbytes, 2, 1e-4, 1e8))
+        for c in a.collectives]
+    assert [c.seconds for c in b.collectives] == pytest.approx(
+        [2.5 * c.seconds for c in a.collectives])
+    # nothing hidden (hiding 0): the step grows by the collectives' extra time alone
+    assert b.step_seconds - a.step_seconds == pytest.approx(1.5 * a.comm_seconds)
+    assert b.compute == a.compute
+
+
+def test_the_slowdown_is_measured_alike_on_every_rank(wrapped):
+    slowdowns = [out["slowdown"] for out in wrapped]
+    assert slowdowns[0] == slowdowns[1] and slowdowns[0] >= 1.0
+
+
+def test_bad_input_is_refused_in_one_line(model):
+    with pytest.raises(ValueError, match="no optimizer layout"):
+        stepped_tensors("deepspeed-zero2", model, 2)
+    with pytest.raises(ValueError, match="dtensor_tensor_seconds"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
+                dtensor_tensor_seconds=-1)
+    with pytest.raises(ValueError, match="comm_slowdown >= 1"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0, comm_slowdown=0.5)
