@@ -215,6 +215,7 @@ def collective_slowdown(numel: int = 1 << 18, repeats: int = 9,
             a @ a
         done()
         ratios.append(_median_seconds(all_reduce, 1) / alone)
-    mean = torch.tensor([max(1.0, statistics.median(ratios))], dtype=torch.float64)
+    mean = torch.tensor([max(1.0, statistics.median(ratios))], dtype=torch.float64,
+                        device=device)
     dist.all_reduce(mean)
     return float(mean) / dist.get_world_size()
