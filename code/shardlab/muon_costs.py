@@ -93,8 +93,10 @@ def design_figure(models: dict[str, tuple[int, int]], worlds: list[int],
     of orthogonalization per step against the world size."""
     import matplotlib.pyplot as plt
 
+    from shardlab.viz import DPI, MAX_WIDTH_IN, SMALLEST_PT
     colors = {"gather": "#4C72B0", "owner": "#DD8452", "whole": "#55A868"}
-    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.2), dpi=90,
+    # the book's column: wider, and the page would shrink the text under its smallest size
+    fig, axes = plt.subplots(1, len(models), figsize=(MAX_WIDTH_IN, 3.2), dpi=DPI,
                              squeeze=False)
     for ax, (name, (d, layers)) in zip(axes[0], models.items()):
         shapes = transformer_matrices(d, layers)
@@ -104,10 +106,10 @@ def design_figure(models: dict[str, tuple[int, int]], worlds: list[int],
                     markersize=3, color=colors[design], label=design)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{name}: d={d}, {layers} layers", fontsize=9)
+        ax.set_title(f"{name}\nd={d}, {layers} layers", fontsize=SMALLEST_PT)
         ax.set_xlabel("ranks N")
         ax.spines[["top", "right"]].set_visible(False)
     axes[0][0].set_ylabel("ms per step (slowest rank)")
-    axes[0][0].legend(frameon=False, fontsize=8)
+    axes[0][0].legend(frameon=False, fontsize=SMALLEST_PT)
     fig.tight_layout()
     return fig
