@@ -19,21 +19,13 @@ import torch.distributed as dist
 
 from shardlab.comm.compat import all_gather_into, reduce_scatter_into
 from shardlab.launch import launch, rank_device
+from shardlab.stepparts import median_seconds
 from shardlab.workers import measure_machine, run_all
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _median(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def gemm_beside(start_traffic, gemm_n: int, repeats: int, device: torch.device,
@@ -56,7 +48,7 @@ def gemm_beside(start_traffic, gemm_n: int, repeats: int, device: torch.device,
 
     traffic()  # warm-up: the first collective connects and allocates
     barrier()
-    comm_alone = _median(traffic, repeats)
+    comm_alone = median_seconds(traffic, repeats)
 
     def one_gemm():
         a @ b
@@ -64,7 +56,7 @@ def gemm_beside(start_traffic, gemm_n: int, repeats: int, device: torch.device,
 
     one_gemm()
     # as many GEMMs as the traffic takes, so that neither hides inside the other by size
-    count = max(1, round(comm_alone / max(_median(one_gemm, 3), 1e-7)))
+    count = max(1, round(comm_alone / max(median_seconds(one_gemm, 3), 1e-7)))
 
     def gemms():
         for _ in range(count):
@@ -72,7 +64,7 @@ def gemm_beside(start_traffic, gemm_n: int, repeats: int, device: torch.device,
         synchronize(device)
 
     barrier()
-    gemm_alone = _median(gemms, repeats)
+    gemm_alone = median_seconds(gemms, repeats)
     together, gemm_side, comm_side = [], [], []
     for _ in range(repeats):
         barrier()
@@ -176,7 +168,7 @@ def inside_the_gpu(sizes) -> dict:
                        ("elementwise", lambda: torch.mul(src, 1.0, out=dst))):
         copy()
         synchronize(device)
-        one = _median(lambda copy=copy: (copy(), synchronize(device)), 3)
+        one = median_seconds(lambda copy=copy: (copy(), synchronize(device)), 3)
         repeats = max(1, round(TRAFFIC_SECONDS / max(one, 1e-7)))
 
         def work(copy=copy, repeats=repeats):

@@ -127,7 +127,9 @@ def optimizer_seconds(strategy: str, model: nn.Module, world: int,
                for rank in stepped_tensors(strategy, model, world))
 
 
-def _median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int) -> float:
+    """The median of `repeats` timings of `run()`, in seconds (the micro-benchmarks' one
+    way to time: a median, so that one noisy moment of a shared machine does not count)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -169,7 +171,7 @@ def optimizer_costs(numel: int = 1 << 18, pieces: int = 64, repeats: int = 7,
         layouts.append([distribute_tensor(torch.zeros(size * mesh.size(), device=device),
                                           mesh, [Shard(0)]) for _ in range(pieces)])
     steps = [_adamw_step(params, device) for params in layouts]
-    times = [[_median_seconds(step, 1) for step in steps] for _ in range(repeats)]
+    times = [[median_seconds(step, 1) for step in steps] for _ in range(repeats)]
     per_element = statistics.median(t[0] for t in times) / numel
     per_tensor = max(0.0, statistics.median((t[1] - t[0]) / (pieces - 1) for t in times))
     per_dtensor = (max(0.0, statistics.median((t[2] - t[1]) / pieces for t in times))
@@ -203,18 +205,18 @@ def collective_slowdown(numel: int = 1 << 18, repeats: int = 9,
 
     all_reduce()  # warm-up
     dist.barrier()
-    alone = _median_seconds(all_reduce, 3)
-    one_matmul = max(_median_seconds(lambda: (a @ a, done()), 3), 1e-6)
+    alone = median_seconds(all_reduce, 3)
+    one_matmul = max(median_seconds(lambda: (a @ a, done()), 3), 1e-6)
     matmuls = max(1, int(alone / one_matmul))
     ratios = []
     for _ in range(repeats):
         dist.barrier()
-        alone = _median_seconds(all_reduce, 1)
+        alone = median_seconds(all_reduce, 1)
         dist.barrier()
         for _ in range(matmuls):
             a @ a
         done()
-        ratios.append(_median_seconds(all_reduce, 1) / alone)
+        ratios.append(median_seconds(all_reduce, 1) / alone)
     mean = torch.tensor([max(1.0, statistics.median(ratios))], dtype=torch.float64,
                         device=device)
     dist.all_reduce(mean)

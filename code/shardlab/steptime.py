@@ -44,8 +44,6 @@ second over a GPU's *datasheet* peak (`datasheet_peak`), is what `shardlab.repor
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -56,7 +54,7 @@ from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
-from shardlab.stepparts import OptimizerCosts, optimizer_seconds
+from shardlab.stepparts import OptimizerCosts, median_seconds, optimizer_seconds
 from shardlab.units import MiB
 from shardlab.wrap import unit_modules
 
@@ -356,15 +354,6 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
 # ----------------------------------------------------------------------------- measuring
 
 
-def _median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def model_flops_per_token(psi: int, n_layers: int = 0, d_model: int = 0,
                           seq_len: int = 0) -> float:
     """The model FLOPs of one token's forward and backward: 6Ψ (2Ψ forward, 4Ψ backward;
@@ -428,7 +417,7 @@ def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
             x = torch.randn(tokens, n_in, device=device, generator=generator)
             w = torch.randn(n_out, n_in, device=device, generator=generator)
             synchronized(lambda: x @ w.T)()  # warm-up
-            seconds += _median_seconds(synchronized(lambda: x @ w.T), repeats)
+            seconds += median_seconds(synchronized(lambda: x @ w.T), repeats)
             flops += 2 * tokens * n_in * n_out
     return flops / seconds if seconds > 0 else math.inf
 
@@ -447,7 +436,7 @@ def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
             torch.cuda.synchronize(x.device)
 
     forward_backward()  # warm-up
-    seconds = _median_seconds(forward_backward, repeats)
+    seconds = median_seconds(forward_backward, repeats)
     model.zero_grad(set_to_none=True)
     return 6 * psi * x.numel() / seconds
 
@@ -474,13 +463,13 @@ def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
 
     communicate()
     dist.barrier()
-    comm_alone = _median_seconds(communicate, repeats)
+    comm_alone = median_seconds(communicate, repeats)
 
     def one_matmul():
         a @ a
         done()
 
-    matmuls = max(1, int(comm_alone / max(_median_seconds(one_matmul, 3), 1e-6)))
+    matmuls = max(1, int(comm_alone / max(median_seconds(one_matmul, 3), 1e-6)))
 
     def compute():
         for _ in range(matmuls):
@@ -494,8 +483,8 @@ def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
         done()
 
     dist.barrier()
-    compute_alone = _median_seconds(compute, repeats)
+    compute_alone = median_seconds(compute, repeats)
     dist.barrier()
-    together = _median_seconds(both, repeats)
+    together = median_seconds(both, repeats)
     hidden = (compute_alone + comm_alone - together) / min(compute_alone, comm_alone)
     return min(1.0, max(0.0, hidden))
