@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 FLOOR=2.9.1     # the oldest torch the parity tests pass under on a CPU (the README says why not 2.6-2.8)
 NEWEST=2.15.0   # the newest the index served when this was last checked
 # the references that change between versions: ZeroRedundancyOptimizer and fully_shard
-PARITY_TESTS=(tests/test_zero.py tests/test_fsdp.py)
+PARITY_TESTS=(tests/test_zero.py tests/test_fsdp.py tests/test_fsdp_knobs.py)
 
 install_only=false
 if [ "${1:-}" = "--install-only" ]; then install_only=true; shift; fi

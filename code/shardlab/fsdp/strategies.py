@@ -300,7 +300,13 @@ def torch_post_forward_groups(model: nn.Module) -> list:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        # a list in newer torch (`_fsdp_param_groups`, torch 2.13); one group or None in
+        # older ones (`_fsdp_param_group`, torch 2.9)
+        param_groups = getattr(state, "_fsdp_param_groups", None)
+        if param_groups is None:
+            param_groups = [g for g in [state._fsdp_param_group] if g is not None]
+        for param_group in param_groups:
             info = param_group.post_forward_mesh_info
             if info is not None and info is not param_group.mesh_info:
                 groups.append(info.shard_process_group)
