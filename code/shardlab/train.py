@@ -43,7 +43,7 @@ from shardlab.comm.compat import all_gather_into
 from shardlab.comm.ledger import simulated_network
 from shardlab.config import TrainConfig, checkpoint_folders_locked
 from shardlab.launch.devices import placement, rank_device
-from shardlab.launch.errors import RankFailed
+from shardlab.launch.errors import RankFailed, refusal_of
 from shardlab.launch.hygiene import OWNER, RUN_DIR_PREFIX, reaped_with_launches
 from shardlab.launch.launcher import launch
 from shardlab.launch.recorders import flight_folder
@@ -251,10 +251,9 @@ def run(config: TrainConfig, *, backend: str = "auto", device: str = "auto",
     except RankFailed as failed:
         # A bad option or a model that differs across ranks is found by the strategy on
         # the ranks, before training: hand it back as the ValueError it is.
-        last = failed.rank_traceback.strip().splitlines()[-1]
-        kind, _, message = last.partition(": ")
-        if kind.rsplit(".", 1)[-1] in ("ValueError", "CheckpointError"):
-            raise ValueError(message) from failed
+        refusal = refusal_of(failed)
+        if refusal is not None:
+            raise refusal from failed
         raise
 
 

@@ -117,14 +117,15 @@ def _tell_ended(records: list[CollectiveRecord]) -> None:
         ledger.ended(records)
 
 
-def _numel(tensors) -> int:
+def numel_of(tensors) -> int:
+    """The elements of a tensor or of nested lists of them (a collective's arguments)."""
     if isinstance(tensors, torch.Tensor):
         return tensors.numel()
-    return sum(_numel(t) for t in tensors)
+    return sum(numel_of(t) for t in tensors)
 
 
-def _first(tensors) -> torch.Tensor:
-    return tensors if isinstance(tensors, torch.Tensor) else _first(tensors[0])
+def first_tensor(tensors) -> torch.Tensor:
+    return tensors if isinstance(tensors, torch.Tensor) else first_tensor(tensors[0])
 
 
 # c10d operator -> arguments -> (name, tensors that give the dtype, logical numel, boxed
@@ -132,24 +133,24 @@ def _first(tensors) -> torch.Tensor:
 # the functional collectives of torch.compile and DTensor, which lower to these), ends up
 # as one of these operators.
 _NATIVE = {
-    "allreduce_": lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
-    "allreduce_coalesced_": lambda a: ("all_reduce", a[0], _numel(a[0]), a[1], 0),
+    "allreduce_": lambda a: ("all_reduce", a[0], numel_of(a[0]), a[1], 0),
+    "allreduce_coalesced_": lambda a: ("all_reduce", a[0], numel_of(a[0]), a[1], 0),
     "_allgather_base_": lambda a: ("all_gather", a[1], a[0].numel(), a[2], 0),
-    "allgather_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
-    "allgather_coalesced_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
-    "allgather_into_tensor_coalesced_": lambda a: ("all_gather", a[1], _numel(a[0]), a[2], 0),
+    "allgather_": lambda a: ("all_gather", a[1], numel_of(a[0]), a[2], 0),
+    "allgather_coalesced_": lambda a: ("all_gather", a[1], numel_of(a[0]), a[2], 0),
+    "allgather_into_tensor_coalesced_": lambda a: ("all_gather", a[1], numel_of(a[0]), a[2], 0),
     "_reduce_scatter_base_": lambda a: ("reduce_scatter", a[1], a[1].numel(), a[2], 0),
-    "reduce_scatter_": lambda a: ("reduce_scatter", a[0], _numel(a[1]), a[2], 0),
+    "reduce_scatter_": lambda a: ("reduce_scatter", a[0], numel_of(a[1]), a[2], 0),
     "reduce_scatter_tensor_coalesced_":
-        lambda a: ("reduce_scatter", a[1], _numel(a[1]), a[2], 0),
-    "broadcast_": lambda a: ("broadcast", a[0], _numel(a[0]), a[1], a[2]),
+        lambda a: ("reduce_scatter", a[1], numel_of(a[1]), a[2], 0),
+    "broadcast_": lambda a: ("broadcast", a[0], numel_of(a[0]), a[1], a[2]),
     # all-to-all (ZeRO++'s qgZ): the numel is one rank's input, cut into equal parts
     "alltoall_base_": lambda a: ("all_to_all", a[1], a[1].numel(), a[2], 0),
-    "alltoall_": lambda a: ("all_to_all", a[1], _numel(a[1]), a[2], 0),
-    "reduce_": lambda a: ("reduce", a[0], _numel(a[0]), a[1], a[3]),
-    "send": lambda a: ("send", a[0], _numel(a[0]), a[1], 0),
-    "recv_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
-    "recv_any_source_": lambda a: ("recv", a[0], _numel(a[0]), a[1], 0),
+    "alltoall_": lambda a: ("all_to_all", a[1], numel_of(a[1]), a[2], 0),
+    "reduce_": lambda a: ("reduce", a[0], numel_of(a[0]), a[1], a[3]),
+    "send": lambda a: ("send", a[0], numel_of(a[0]), a[1], 0),
+    "recv_": lambda a: ("recv", a[0], numel_of(a[0]), a[1], 0),
+    "recv_any_source_": lambda a: ("recv", a[0], numel_of(a[0]), a[1], 0),
 }
 
 
@@ -161,7 +162,7 @@ def _throttle_seconds(describe, args) -> float:
     throttle = links.throttle_of(group_name(group))
     if throttle is None:
         return 0.0
-    return throttle.seconds(name, numel, group.size(), _first(tensors).element_size(),
+    return throttle.seconds(name, numel, group.size(), first_tensor(tensors).element_size(),
                             group.rank(), src)
 
 
@@ -172,10 +173,10 @@ def _simulated(describe, args) -> tuple[str, float] | None:
     name, tensors, numel, boxed_group, src = describe(args)
     group = dist.ProcessGroup.unbox(boxed_group)
     network = links.network_of(group_name(group))
-    if network is None or _first(tensors).device.type != "cpu":
+    if network is None or first_tensor(tensors).device.type != "cpu":
         return None
     return group_name(group), network.seconds(name, numel, group.size(),
-                                              _first(tensors).element_size(), group.rank(),
+                                              first_tensor(tensors).element_size(), group.rank(),
                                               src)
 
 
@@ -207,9 +208,9 @@ def _record_native(describe, args, start: float) -> Callable:
     name, tensors, numel, boxed_group, src = describe(args)
     group = dist.ProcessGroup.unbox(boxed_group)
     world, rank = group.size(), group.rank()
-    size = _first(tensors).element_size()
+    size = first_tensor(tensors).element_size()
     sent, received, rounds, round_bytes = ring_traffic(name, numel, world, size, rank, src)
-    records = _emit(name, _first(tensors).dtype, numel, numel * size, sent, received, 0.0,
+    records = _emit(name, first_tensor(tensors).dtype, numel, numel * size, sent, received, 0.0,
                     world, rounds, round_bytes, start, group_name(group))
 
     def finished(out):
@@ -249,7 +250,7 @@ def _record_native(describe, args, start: float) -> Callable:
             pending = future.then(completed)
         # on the CPU a wait returns when the work is done, so waiting for its callback
         # too costs nothing; on a GPU it must not block the host (it orders streams)
-        callback = pending if _first(tensors).device.type == "cpu" else None
+        callback = pending if first_tensor(tensors).device.type == "cpu" else None
         for ledger in _open():  # `work.wait()` finds its records here (see _timed_wait)
             ledger._by_work[id(unboxed)] = (unboxed, records, callback)
             if pending is not None:

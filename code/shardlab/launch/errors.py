@@ -49,3 +49,14 @@ class LaunchTimeout(LaunchError):
         super().__init__(f"timed out after {timeout:g} s; ranks {unfinished} had not finished "
                          f"and were stopped. Raise `timeout=` if the job is just slow, or look "
                          f"for a collective that only some ranks call.")
+
+
+def refusal_of(failed: RankFailed) -> ValueError | None:
+    """The bad input a rank refused before training (a bad option, a model that differs
+    across ranks, a checkpoint that does not fit), as the one-line ValueError it is; None
+    for any other failure."""
+    last = failed.rank_traceback.strip().splitlines()[-1]
+    kind, _, message = last.partition(": ")
+    if kind.rsplit(".", 1)[-1] in ("ValueError", "CheckpointError"):
+        return ValueError(message)
+    return None

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from shardlab.cards import card
 from shardlab.config import TrainConfig, checkpoint_folders_locked
-from shardlab.launch.errors import RankFailed
+from shardlab.launch.errors import RankFailed, refusal_of
 from shardlab.many_ranks.threads import DEFAULT_TIMEOUT, launch_threads
 from shardlab.report import RunReport
 from shardlab.train import train_many, train_rank
@@ -50,8 +50,7 @@ def _refused_in_one_line(launch):
     try:
         return launch()
     except RankFailed as failed:
-        last = failed.rank_traceback.strip().splitlines()[-1]
-        kind, _, message = last.partition(": ")
-        if kind.rsplit(".", 1)[-1] in ("ValueError", "CheckpointError"):
-            raise ValueError(message) from failed
+        refusal = refusal_of(failed)
+        if refusal is not None:
+            raise refusal from failed
         raise

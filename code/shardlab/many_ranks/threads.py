@@ -56,21 +56,12 @@ from torch.futures import Future
 from torch.testing._internal.distributed.multi_threaded_pg import (
     ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg, ret_work)
 
-from shardlab.comm.ledger import ledgers_per_thread, muted, recorded_ring
+from shardlab.comm.ledger import (first_tensor, ledgers_per_thread, muted, numel_of,
+                                  recorded_ring)
 from shardlab.launch.errors import LaunchError, LaunchTimeout, RankFailed
 
 BACKEND = "shardlab-threads"
 DEFAULT_TIMEOUT = 300.0
-
-
-def _numel(tensors) -> int:
-    if isinstance(tensors, torch.Tensor):
-        return tensors.numel()
-    return sum(_numel(t) for t in tensors)
-
-
-def _first(tensors) -> torch.Tensor:
-    return tensors if isinstance(tensors, torch.Tensor) else _first(tensors[0])
 
 
 class _Mailboxes:
@@ -127,19 +118,19 @@ class ThreadRank(ProcessLocalGroup):
     def _recorded(self, op: str, tensors, numel: int, src: int = 0):
         """The ledger's record of a collective that blocks from call to return (every
         collective of this group does), counted as the ring algorithm moves it."""
-        return recorded_ring(op, _first(tensors), numel, self._world_size, self._rank, src,
+        return recorded_ring(op, first_tensor(tensors), numel, self._world_size, self._rank, src,
                              group=self)
 
     def allreduce(self, tensor_list, opts=AllreduceOptions()):
-        with self._recorded("all_reduce", tensor_list, _numel(tensor_list)):
+        with self._recorded("all_reduce", tensor_list, numel_of(tensor_list)):
             return super().allreduce(tensor_list, opts)
 
     def allreduce_coalesced(self, tensor_list, opts=AllreduceOptions()):
-        with self._recorded("all_reduce", tensor_list, _numel(tensor_list)):
+        with self._recorded("all_reduce", tensor_list, numel_of(tensor_list)):
             return super().allreduce_coalesced(tensor_list, opts)
 
     def allgather(self, output_tensors, input_tensor, opts=AllgatherOptions()):
-        with self._recorded("all_gather", input_tensor, _numel(output_tensors)):
+        with self._recorded("all_gather", input_tensor, numel_of(output_tensors)):
             return super().allgather(output_tensors, input_tensor, opts)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=AllgatherOptions()):
@@ -147,7 +138,7 @@ class ThreadRank(ProcessLocalGroup):
             return super().all_gather_single(output_tensor, input_tensor, opts)
 
     def reduce_scatter(self, output_tensor, scatter_list, opts=ReduceScatterOptions()):
-        with self._recorded("reduce_scatter", output_tensor, _numel(scatter_list)):
+        with self._recorded("reduce_scatter", output_tensor, numel_of(scatter_list)):
             return super().reduce_scatter(output_tensor, scatter_list, opts)
 
     def reduce_scatter_single(self, output_tensor, input_tensor,
@@ -156,7 +147,7 @@ class ThreadRank(ProcessLocalGroup):
             return super().reduce_scatter_single(output_tensor, input_tensor, opts)
 
     def broadcast(self, tensor_list, opts=BroadcastOptions()):
-        with self._recorded("broadcast", tensor_list, _numel(tensor_list), opts.rootRank):
+        with self._recorded("broadcast", tensor_list, numel_of(tensor_list), opts.rootRank):
             return super().broadcast(tensor_list, opts)
 
     def barrier(self, opts=BarrierOptions()):
@@ -164,13 +155,13 @@ class ThreadRank(ProcessLocalGroup):
             return super().barrier(opts)
 
     def send(self, tensors, dst, tag=0):
-        with self._recorded("send", tensors, _numel(tensors)):
+        with self._recorded("send", tensors, numel_of(tensors)):
             _MAIL.send((self.pg_name, self._rank, dst, tag), tensors[0])
             return ret_work(None)
 
     def recv(self, tensors, src, tag=0):
         # recorded when it is posted, as the ledger records a native irecv at its launch
-        with self._recorded("recv", tensors, _numel(tensors)):
+        with self._recorded("recv", tensors, numel_of(tensors)):
             return _create_work_from_future(
                 _MAIL.recv((self.pg_name, src, self._rank, tag), tensors[0]))
 
