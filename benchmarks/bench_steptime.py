@@ -7,7 +7,8 @@
 For each world size, each repetition is one launch that first measures the machine as the
 model sees it (`shardlab.workers.measure_machine`: the rate of each model's own forward and
 backward, no communication, AdamW's costs per element, per tensor and per DTensor, how much
-of an all-reduce compute hides, α and β; micro-benchmarks only) and then trains every
+of an all-reduce compute hides, α and β, and each kind of collective's cost inside a step;
+micro-benchmarks only) and then trains every
 (model, strategy) once, in turn, so that a noisy minute on a shared machine hits them
 alike. The prediction (`shardlab.steptime.predict_step`) is made from that repetition's
 machine and the strategy's rules alone, before its run; the measured step is the slowest
@@ -19,11 +20,10 @@ beside the parts' error.
 
 Where a prediction misses by more than 20%, the line says which term is off most:
 compute (predicted 6ΨT/F and the optimizer, against the measured step less its exposed
-communication), exposed communication, or gloo's copies (the α-β time of the collectives,
-fitted on collectives alone, against their measured time in flight inside a step, where
-their copies share the cores with compute); and how much of a communication term is idle
-time, one rank waiting for another to arrive, which the model (ranks in lockstep) leaves
-out.
+communication), exposed communication, or gloo's copies (the collectives' predicted time,
+from each kind's in-step micro-benchmark, against their measured time in flight inside the
+step, where their copies share the cores with compute); and how much of a communication
+term is idle time, one rank waiting for another to arrive.
 
 Then how cost grows with Ψ and N (bytes sent against 2Ψ(N-1)/N and 3Ψ(N-1)/N, step and
 exposed time), and the tokens per rank above which the model says compute hides the
@@ -37,7 +37,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from shardlab import viz
@@ -99,7 +99,7 @@ def predicted(strategy: str, label: str, world: int, machine, args) -> dict:
     # the plain model: AdamW per element only, as one flat tensor costs, and each
     # collective at its α-β time alone
     plain = predict_step(strategy, model, world, {}, replace(
-        machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, comm_slowdown=1.0),
+        machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, in_step={}),
         tokens=tokens)
     return {"step": step.step_seconds, "exposed": step.exposed_seconds,
             "comm": step.comm_seconds, "compute": step.compute_seconds,
@@ -152,8 +152,9 @@ def table(world: int, result: dict, args) -> list[dict]:
     print(f"\nworld {world}: α {1e6 * m0.alpha:.0f} µs, β {m0.beta / 1e9:.2f} GB/s, "
           f"hiding {m0.hiding:.2f}, AdamW {1e9 * m0.adam_seconds:.1f} ns/param + "
           f"{1e6 * m0.adam_tensor_seconds:.1f} µs/tensor + "
-          f"{1e6 * m0.dtensor_tensor_seconds:.1f} µs/DTensor, collectives "
-          f"{m0.comm_slowdown:.2f}x inside a step, compute "
+          f"{1e6 * m0.dtensor_tensor_seconds:.1f} µs/DTensor, inside a step "
+          + ", ".join(f"{k} {1e6 * c.fixed:.0f} µs + {1e9 * c.per_byte:.2f} ns/B"
+                      for k, c in m0.in_step.items()) + ", compute "
           + ", ".join(f"{k} {r[k].flops / 1e9:.1f}" for r in result["machines"][:1]
                       for k in MODELS) + " GFLOP/s per rank (repetition 1)")
     head = (f"{'model':<10} {'strategy':<12} {'plain':>6} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} "
@@ -276,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     # what else ran: a shared machine's load slows the runs and the micro-benchmarks alike,
     # but not always at the same moments
     load = {"start": [round(x, 2) for x in os.getloadavg()]}
-    rows, machines = [], {}
+    rows, machines, first_machine = [], {}, {}
     for world in args.worlds:
         result = sweep(world, args)
         rows += table(world, result, args)
-        machines[world] = [{k: m.__dict__ for k, m in ms.items()} for ms in result["machines"]]
+        machines[world] = [{k: asdict(m) for k, m in ms.items()} for ms in result["machines"]]
+        first_machine[world] = result["machines"][0][list(MODELS)[-1]]
     load["end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end "
           f"{load['end']}")
@@ -297,11 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntokens per rank from which backward covers the step's communication "
           f"(the model, repetition 1's machine, {list(MODELS)[-1]}):")
     for world in args.worlds:
-        machine = machines[world][0][list(MODELS)[-1]]
-        from shardlab.steptime import Machine
-        m = Machine(**machine)
         print(f"  world {world}: " + ", ".join(
-            f"{s} {hide_threshold(world, m, s, list(MODELS)[-1]):,.0f}"
+            f"{s} {hide_threshold(world, first_machine[world], s, list(MODELS)[-1]):,.0f}"
             for s in args.strategies)
             + f"   (runs here: {args.batch_size // world * args.seq_len})")
     if args.results:

@@ -6,8 +6,9 @@
   of each parameter (DTensors under PyTorch's fully_shard), ZeroRedundancyOptimizer's whole
   parameters split by size;
 * the time model prices them per element, per tensor and per DTensor (no clock read);
-* a collective inside a step costs its α-β time times the measured slowdown, which every
-  rank measures alike and which is never below 1;
+* a collective inside a step costs its kind's measured in-step line (seconds a call plus
+  seconds per byte), which every rank measures alike; a kind not measured costs its α-β
+  time alone;
 * a strategy without a layout is refused in one line.
 """
 
@@ -16,7 +17,7 @@ import pytest
 from shardlab.cards import CARDS
 from shardlab.launch import launch
 from shardlab.models import build_model
-from shardlab.stepparts import (LAYOUTS, OptimizerCosts, optimizer_seconds,
+from shardlab.stepparts import (LAYOUTS, InStepCost, OptimizerCosts, optimizer_seconds,
                                 stepped_tensors)
 from shardlab.steptime import Machine, predict_step
 from shardlab.workers import optimizer_layouts
@@ -83,28 +84,41 @@ def test_costs_are_measured_on_every_rank(wrapped):
         assert costs.per_element > 0 and costs.per_tensor >= 0 and costs.per_dtensor >= 0
 
 
-def test_collectives_cost_their_alpha_beta_time_times_the_slowdown(model):
+def test_collectives_cost_their_kind_s_in_step_line(model):
     from dataclasses import replace
 
     from shardlab import comm
     plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0,
                     gloo=False)
-    slow = replace(plain, comm_slowdown=2.5)
+    lines = {"all_gather": InStepCost(fixed=3e-4, per_byte=2e-8),
+             "reduce_scatter": InStepCost(fixed=5e-4, per_byte=1e-8)}
+    measured = replace(plain, in_step=lines)
     a = predict_step("zero3", model, 2, {}, plain, tokens=128)
-    b = predict_step("zero3", model, 2, {}, slow, tokens=128)
+    b = predict_step("zero3", model, 2, {}, measured, tokens=128)
     assert [c.seconds for c in a.collectives] == [
         pytest.approx(comm.predict_seconds(c.op, c.nbytes, 2, 1e-4, 1e8))
         for c in a.collectives]
     assert [c.seconds for c in b.collectives] == pytest.approx(
-        [2.5 * c.seconds for c in a.collectives])
+        [lines[c.op].fixed + c.nbytes * lines[c.op].per_byte for c in b.collectives])
     # nothing hidden (hiding 0): the step grows by the collectives' extra time alone
-    assert b.step_seconds - a.step_seconds == pytest.approx(1.5 * a.comm_seconds)
+    assert b.step_seconds - a.step_seconds == pytest.approx(b.comm_seconds - a.comm_seconds)
     assert b.compute == a.compute
+    # a kind the machine has no line for (DDP's all-reduce) keeps its α-β time
+    ddp = predict_step("ddp", model, 2, {}, measured, tokens=128)
+    assert ddp.comm_seconds == predict_step("ddp", model, 2, {}, plain, tokens=128).comm_seconds
+    # gloo's broadcast, measured as gloo runs it: no binomial-tree rule on top
+    broadcast = replace(plain, gloo=True, in_step={"broadcast": InStepCost(1e-3, 0.0)})
+    owner = predict_step("torch-zero1", model, 4, {}, broadcast, tokens=128)
+    sent = [c for c in owner.collectives if c.op == "broadcast"]
+    assert sent and all(c.seconds == pytest.approx(1e-3) for c in sent)
 
 
-def test_the_slowdown_is_measured_alike_on_every_rank(wrapped):
-    slowdowns = [out["slowdown"] for out in wrapped]
-    assert slowdowns[0] == slowdowns[1] and slowdowns[0] >= 1.0
+def test_in_step_costs_are_measured_alike_on_every_rank(wrapped):
+    lines = [out["in_step"] for out in wrapped]
+    assert lines[0] == lines[1]
+    assert set(lines[0]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    for line in lines[0].values():
+        assert line.fixed >= 0 and line.per_byte >= 0 and line.seconds(1 << 14) > 0
 
 
 def test_bad_input_is_refused_in_one_line(model):
@@ -113,5 +127,6 @@ def test_bad_input_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="dtensor_tensor_seconds"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 dtensor_tensor_seconds=-1)
-    with pytest.raises(ValueError, match="comm_slowdown >= 1"):
-        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0, comm_slowdown=0.5)
+    with pytest.raises(ValueError, match="in-step costs >= 0"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
+                in_step={"all_reduce": InStepCost(fixed=-1e-3, per_byte=0.0)})

@@ -26,10 +26,12 @@ A collective inside a step is not the collective the α-β fit timed alone, with
 idle and released by a barrier. Inside a step each rank reaches it when its own compute
 ends, so the first to arrive waits for the last (the arrival skew the run report measures
 as idle time), and on a CPU gloo's copies take turns on the cores with whatever the other
-ranks still compute. `collective_slowdown` measures the ratio: an all-reduce timed from
-its call to its return right after each rank's own matmuls, with no barrier between,
-against the same all-reduce timed alone. The time model multiplies each collective's α-β
-time by it (`Machine.comm_slowdown`).
+ranks still compute. `collective_costs_in_step` times each kind of collective so: from
+its call to its return, right after each rank's own matmuls, with no barrier between, at
+two sizes, and draws a line through them (seconds a call, seconds per byte). The time
+model prices each collective of a step by its kind's line (`Machine.in_step`). The kinds
+are timed as the backend runs them, so gloo's binomial-tree broadcast and its
+reduce-scatter (an all-reduce inside) need no rule of their own.
 """
 
 from __future__ import annotations
@@ -179,45 +181,65 @@ def optimizer_costs(numel: int = 1 << 18, pieces: int = 64, repeats: int = 7,
     return OptimizerCosts(per_element, per_tensor, per_dtensor)
 
 
-def collective_slowdown(numel: int = 1 << 18, repeats: int = 9,
-                        device: torch.device | str = "cpu") -> float:
-    """Run on every rank of the default group: how many times longer an all-reduce of
-    `numel` fp32 elements takes inside a step than alone. Alone: every rank released by a
-    barrier. Inside: each rank runs its own matmuls (about the all-reduce's time, the same
-    work on every rank) and calls the all-reduce as soon as they end, no barrier between;
-    timed from the call to its return, it includes waiting for the ranks that arrive later
-    and gloo's copies running beside their compute. The two are timed in turn, `repeats`
-    times, and the slowdown is the median of their ratios (a noisy moment on a shared
-    machine hits both of a pair), at least 1, averaged over the ranks so that every rank
-    returns the same figure."""
+@dataclass(frozen=True)
+class InStepCost:
+    """One kind of collective as it costs inside a step on this machine: `fixed` seconds
+    a call, plus `per_byte` seconds per byte of the whole tensor (what the ledger records
+    as a collective's logical bytes)."""
+
+    fixed: float
+    per_byte: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.fixed + nbytes * self.per_byte
+
+
+def collective_costs_in_step(collectives: dict[str, Callable[[torch.Tensor], None]],
+                             sizes: tuple[int, int] = (1 << 12, 1 << 22), repeats: int = 7,
+                             device: torch.device | str = "cpu") -> dict[str, InStepCost]:
+    """Run on every rank of the default group: each collective of `collectives` ({kind:
+    how to run it on a flat fp32 tensor}) timed as a step meets it, at two sizes in bytes,
+    and a line through the two: its fixed cost a call and its cost per byte.
+
+    As a step meets it: each rank first runs its own matmuls (about as long as the
+    collective alone, the same work on every rank), then calls the collective at once, no
+    barrier between, and the time runs from the call to its return. It so includes what
+    the α-β fit of collectives alone leaves out: waiting for the ranks that arrive later,
+    and, on a CPU, gloo's copies taking turns on the cores with what the others still
+    compute. Each kind is measured as the backend runs it (gloo's broadcast is a binomial
+    tree, its reduce-scatter an all-reduce: no rule needed). Each size's figure is the
+    median of `repeats`, averaged over the ranks so that every rank returns the same."""
     import torch.distributed as dist
     device = torch.device(device)
-    x = torch.ones(numel, device=device)
+    world = dist.get_world_size()
     a = torch.randn(128, 128, device=device)
 
     def done():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def all_reduce():
-        dist.all_reduce(x)
-        done()
-
-    all_reduce()  # warm-up
-    dist.barrier()
-    alone = median_seconds(all_reduce, 3)
     one_matmul = max(median_seconds(lambda: (a @ a, done()), 3), 1e-6)
-    matmuls = max(1, int(alone / one_matmul))
-    ratios = []
-    for _ in range(repeats):
-        dist.barrier()
-        alone = median_seconds(all_reduce, 1)
-        dist.barrier()
-        for _ in range(matmuls):
-            a @ a
-        done()
-        ratios.append(median_seconds(all_reduce, 1) / alone)
-    mean = torch.tensor([max(1.0, statistics.median(ratios))], dtype=torch.float64,
-                        device=device)
+    figures = []
+    for run in collectives.values():
+        for nbytes in sizes:
+            x = torch.ones(max(world, nbytes // 4 // world * world), device=device)
+            run(x)  # warm-up: the first use of a size allocates and connects
+            dist.barrier()
+            matmuls = max(1, int(median_seconds(lambda: (run(x), done()), 3) / one_matmul))
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                for _ in range(matmuls):
+                    a @ a
+                done()
+                times.append(median_seconds(lambda: (run(x), done()), 1))
+            figures.append(statistics.median(times))
+    mean = torch.tensor(figures, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
-    return float(mean) / dist.get_world_size()
+    mean = (mean / world).tolist()
+    costs = {}
+    for i, kind in enumerate(collectives):
+        small, large = mean[2 * i], mean[2 * i + 1]
+        per_byte = max(0.0, (large - small) / (sizes[1] - sizes[0]))
+        costs[kind] = InStepCost(max(0.0, small - per_byte * sizes[0]), per_byte)
+    return costs

@@ -9,10 +9,12 @@ what of the communication the strategy's schedule leaves exposed.
                     as the strategy lays them out, per element and per tensor
                     (`shardlab.stepparts`: one flat shard costs less than Ψ/N
                     elements cut into every parameter's shard)
-    communication   each collective, kind and size as the ledger records them, by the
-                    α-β fit of the ring (`comm.predict_seconds`) times the measured
-                    slowdown of a collective inside a step (`stepparts`); on gloo a native
-                    reduce-scatter is an all-reduce (DESIGN.md), so it costs one
+    communication   each collective, kind and size as the ledger records them, by its
+                    kind's cost measured inside a step (`stepparts`: after compute, no
+                    barrier, so arrival skew and copies beside compute are in it); on a
+                    machine without that measurement (a GPU the course has not run on),
+                    by the α-β fit of the ring alone (`comm.predict_seconds`; on gloo a
+                    native reduce-scatter is an all-reduce, DESIGN.md, so it costs one)
     exposed         the strategy's schedule: where each collective runs and what compute
                     it can hide behind (its card's `schedule`, `shardlab.cards`)
 
@@ -31,7 +33,7 @@ guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
 `Machine` holds what it needs of the machine, measured by `compute_rate`,
-`stepparts.optimizer_costs`, `stepparts.collective_slowdown`, `hiding_fraction` and
+`stepparts.optimizer_costs`, `stepparts.collective_costs_in_step`, `hiding_fraction` and
 `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
@@ -54,7 +56,7 @@ from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
-from shardlab.stepparts import OptimizerCosts, median_seconds, optimizer_seconds
+from shardlab.stepparts import InStepCost, OptimizerCosts, median_seconds, optimizer_seconds
 from shardlab.units import MiB
 from shardlab.wrap import unit_modules
 
@@ -74,17 +76,20 @@ class Machine:
                                    # broadcast as a binomial tree
     adam_tensor_seconds: float = 0.0    # what AdamW adds per tensor it steps, and per
     dtensor_tensor_seconds: float = 0.0  # DTensor on top (`stepparts.optimizer_costs`)
-    comm_slowdown: float = 1.0     # a collective inside a step over alone: arrival skew
-                                   # and copies beside compute (`stepparts`)
+    in_step: dict[str, InStepCost] = field(default_factory=dict)
+                                   # each kind of collective as it costs inside a step:
+                                   # arrival skew and copies beside compute included
+                                   # (`stepparts.collective_costs_in_step`); a kind it
+                                   # lacks costs its α-β time alone
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1
                 and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0
-                and self.comm_slowdown >= 1):
+                and all(c.fixed >= 0 and c.per_byte >= 0 for c in self.in_step.values())):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
                              f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0, "
-                             f"comm_slowdown >= 1 and 0 <= hiding <= 1, got {self}")
+                             f"in-step costs >= 0 and 0 <= hiding <= 1, got {self}")
 
 
 def gpu_machine(flops: float, alpha: float, beta: float, *, hiding: float | None,
@@ -268,21 +273,22 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
-    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it,
-    times the machine's measured slowdown inside a step (`comm_slowdown`). On
+    """Seconds of one collective over a tensor of `nbytes` inside a step: its kind's
+    measured in-step cost where the machine has one (`in_step`), else its α-β time alone
+    as the backend runs it. On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
     rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
     (N + N - 2 rounds of 1/N)."""
     op = op.removeprefix("ring_")
+    if op in machine.in_step:  # measured as the backend runs it, inside a step
+        return machine.in_step[op].seconds(nbytes) if world > 1 and nbytes > 0 else 0.0
     if machine.gloo:
         if op == "reduce_scatter":
             op = "all_reduce"
         elif op == "broadcast" and world > 1 and nbytes > 0:
-            return machine.comm_slowdown * math.ceil(math.log2(world)) * (
-                machine.alpha + nbytes / machine.beta)
-    return machine.comm_slowdown * predict_seconds(op, nbytes, world, machine.alpha,
-                                                   machine.beta)
+            return math.ceil(math.log2(world)) * (machine.alpha + nbytes / machine.beta)
+    return predict_seconds(op, nbytes, world, machine.alpha, machine.beta)
 
 
 def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> float:

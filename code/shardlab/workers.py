@@ -319,6 +319,8 @@ def on_simulated_network(network: comm.SimulatedNetwork, function, *args):
 # ----------------------------------------------------------------------------- step time
 
 MACHINE_SIZES = [4_096, 65_536, 1_048_576, 4_194_304]  # bytes, for the α-β fit
+# the kinds of collective the course's strategies and PyTorch's call in a step
+IN_STEP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int = 8,
@@ -329,14 +331,14 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     never from a step of a strategy: the rate of the model's own forward and backward on
     this rank's rows of a batch, AdamW's costs per element, per tensor and per DTensor
     (`stepparts.optimizer_costs`), how much of an all-reduce compute hides, how much
-    longer a collective takes inside a step than alone (`stepparts.collective_slowdown`),
+    each kind of collective's cost inside a step (`stepparts.collective_costs_in_step`),
     and α and β fitted to all-reduces and all-gathers."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardlab.models import build_model, get_batch, loss_fn
-    from shardlab.stepparts import collective_slowdown, optimizer_costs
+    from shardlab.stepparts import collective_costs_in_step, optimizer_costs
     from shardlab.steptime import Machine, compute_rate, hiding_fraction
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
@@ -350,14 +352,15 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     adam = optimizer_costs(repeats=repeats, device=device,
                            mesh=init_device_mesh(device.type, (world,)))
     hiding = hiding_fraction(repeats=repeats, device=device)
-    slowdown = collective_slowdown(repeats=repeats, device=device)
+    in_step = collective_costs_in_step({kind: COLLECTIVES[kind] for kind in IN_STEP_KINDS},
+                                       repeats=repeats, device=device)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)
     machine = Machine(flops=1.0, alpha=alpha, beta=beta, adam_seconds=adam.per_element,
                       hiding=hiding, gloo=dist.get_backend() == "gloo",
                       adam_tensor_seconds=adam.per_tensor,
-                      dtensor_tensor_seconds=adam.per_dtensor, comm_slowdown=slowdown)
+                      dtensor_tensor_seconds=adam.per_dtensor, in_step=in_step)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
 
 
@@ -372,7 +375,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     from shardlab.models import build_model
     from shardlab.optimizers import OptimizerSpec, inner_optimizer
     from shardlab.precision import get_precision
-    from shardlab.stepparts import collective_slowdown, optimizer_costs
+    from shardlab.stepparts import collective_costs_in_step, optimizer_costs
     from shardlab.strategy import get_strategy
     device = _device()
     out = {}
@@ -386,5 +389,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     out["costs"] = optimizer_costs(numel=1 << 12, pieces=8, repeats=1, device=device,
                                    mesh=mesh)
-    out["slowdown"] = collective_slowdown(numel=1 << 10, repeats=1, device=device)
+    out["in_step"] = collective_costs_in_step(
+        {kind: COLLECTIVES[kind] for kind in IN_STEP_KINDS}, sizes=(1 << 10, 1 << 14),
+        repeats=1, device=device)
     return out
