@@ -76,6 +76,9 @@ class Machine:
     dtensor_tensor_seconds: float = 0.0  # DTensor on top (`stepparts.optimizer_costs`)
     comm_slowdown: float = 1.0     # a collective inside a step over alone: arrival skew
                                    # and copies beside compute (`stepparts`)
+    # (op, bytes, world) -> seconds of one collective, in place of the α-β ring on one link
+    # (alpha, beta and gloo unused then): a network of nodes (`shardlab.scaling`)
+    network: Callable[[str, float, int], float] | None = None
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
@@ -268,13 +271,16 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
-    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it,
-    times the machine's measured slowdown inside a step (`comm_slowdown`). On
+    """α-β time of one collective over a tensor of `nbytes`, as the backend runs it (or
+    as the machine's `network` prices it, when it has one), times the machine's measured
+    slowdown inside a step (`comm_slowdown`). On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
     rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
     (N + N - 2 rounds of 1/N)."""
     op = op.removeprefix("ring_")
+    if machine.network is not None:
+        return machine.comm_slowdown * machine.network(op, nbytes, world)
     if machine.gloo:
         if op == "reduce_scatter":
             op = "all_reduce"
