@@ -81,6 +81,9 @@ class Machine:
                                    # arrival skew and copies beside compute included
                                    # (`stepparts.collective_costs_in_step`); a kind it
                                    # lacks costs its α-β time alone
+    # (op, bytes, world) -> seconds of one collective, in place of the α-β ring on one link
+    # (alpha, beta and gloo unused then): a network of nodes (`shardlab.scaling`)
+    network: Callable[[str, float, int], float] | None = None
 
     def __post_init__(self):
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
@@ -274,8 +277,9 @@ def planned_collectives(strategy: str, model: nn.Module, world: int, options: di
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
     """Seconds of one collective over a tensor of `nbytes` inside a step: its kind's
-    measured in-step cost where the machine has one (`in_step`), else its α-β time alone
-    as the backend runs it. On
+    measured in-step cost where the machine has one (`in_step`); else as the machine's
+    `network` prices it, when it has one; else its α-β time alone as the backend runs it.
+    On
     gloo a native reduce-scatter is an all-reduce (its copies cost one), and a native
     broadcast is a binomial tree: ceil(log2 N) rounds, each the whole tensor from every
     rank that has it (gloo/broadcast.cc), not the pipelined chain `ring_traffic` counts
@@ -283,6 +287,8 @@ def collective_seconds_on_machine(op: str, nbytes: int, world: int,
     op = op.removeprefix("ring_")
     if op in machine.in_step:  # measured as the backend runs it, inside a step
         return machine.in_step[op].seconds(nbytes) if world > 1 and nbytes > 0 else 0.0
+    if machine.network is not None:
+        return machine.network(op, nbytes, world)
     if machine.gloo:
         if op == "reduce_scatter":
             op = "all_reduce"
