@@ -7,7 +7,8 @@
 For each world size, each repetition is one launch that first measures the machine as the
 model sees it (`shardlab.workers.measure_machine`: the rate of each model's own forward and
 backward, no communication, AdamW's costs per element, per tensor and per DTensor, how much
-of an all-reduce compute hides, α and β, and each kind of collective's cost inside a step;
+of an all-reduce compute hides, α and β, each kind of collective's cost inside a step, and
+each strategy's own work per parameter tensor, on probes of tiny Linear layers;
 micro-benchmarks only) and then trains every
 (model, strategy) once, in turn, so that a noisy minute on a shared machine hits them
 alike. The prediction (`shardlab.steptime.predict_step`) is made from that repetition's
@@ -15,7 +16,8 @@ machine and the strategy's rules alone, before its run; the measured step is the
 rank's median step, the exposed communication the ranks' mean of the run report's.
 A strategy's figures are medians over repetitions. The same runs are also predicted by the
 plain model, without the parts `shardlab.stepparts` measures (AdamW priced per element
-alone, as one flat tensor costs; each collective at its α-β time alone): the "plain" error
+alone, as one flat tensor costs; each collective at its α-β time alone; no work of the
+strategy's own): the "plain" error
 beside the parts' error.
 
 Where a prediction misses by more than 20%, the line says which term is off most:
@@ -96,14 +98,16 @@ def predicted(strategy: str, label: str, world: int, machine, args) -> dict:
     model = build_model(name, 0, config)
     tokens = args.batch_size // world * args.seq_len
     step = predict_step(strategy, model, world, {}, machine, tokens=tokens)
-    # the plain model: AdamW per element only, as one flat tensor costs, and each
-    # collective at its α-β time alone
+    # the plain model: AdamW per element only, as one flat tensor costs, each collective
+    # at its α-β time alone, and no work of the strategy's own
     plain = predict_step(strategy, model, world, {}, replace(
-        machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, in_step={}),
+        machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, in_step={},
+        strategy_work={}),
         tokens=tokens)
     return {"step": step.step_seconds, "exposed": step.exposed_seconds,
             "comm": step.comm_seconds, "compute": step.compute_seconds,
             "optimizer": step.compute["step"], "sent": step.sent_bytes,
+            "strategy_work": step.compute.get("strategy", 0.0),
             "step_plain": plain.step_seconds}
 
 
@@ -128,7 +132,7 @@ def sweep(world: int, args) -> dict:
     runs = configs(world, args)
     for rep in range(args.reps):
         out = launch(run_all, world, [(measure_machine, (MODELS, args.batch_size,
-                                                         args.seq_len)),
+                                                         args.seq_len, 5, args.strategies)),
                                       (train_many, (runs,))])
         machine = out[0][0]
         machines.append(machine)
@@ -154,7 +158,10 @@ def table(world: int, result: dict, args) -> list[dict]:
           f"{1e6 * m0.adam_tensor_seconds:.1f} µs/tensor + "
           f"{1e6 * m0.dtensor_tensor_seconds:.1f} µs/DTensor, inside a step "
           + ", ".join(f"{k} {1e6 * c.fixed:.0f} µs + {1e9 * c.per_byte:.2f} ns/B"
-                      for k, c in m0.in_step.items()) + ", compute "
+                      for k, c in m0.in_step.items())
+          + "; the strategies' own work per tensor: "
+          + ", ".join(f"{k} {1e6 * w:.0f} µs" for k, w in m0.strategy_work.items()
+                      if k in args.strategies) + "; compute "
           + ", ".join(f"{k} {r[k].flops / 1e9:.1f}" for r in result["machines"][:1]
                       for k in MODELS) + " GFLOP/s per rank (repetition 1)")
     head = (f"{'model':<10} {'strategy':<12} {'plain':>6} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} "
@@ -234,7 +241,8 @@ def trace(folder: str, args) -> None:
             for c in configs(world, args) if c.model == MODELS[label][0]
             and c.model_config is None]
     out = launch(run_all, world, [(measure_machine, ({label: MODELS[label]},
-                                                     args.batch_size, args.seq_len)),
+                                                     args.batch_size, args.seq_len, 5,
+                                                     args.strategies)),
                                   (train_many, (runs,))])
     machine = out[0][0][label]
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.5 * len(runs)), squeeze=False)

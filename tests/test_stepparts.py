@@ -9,6 +9,8 @@
 * a collective inside a step costs its kind's measured in-step line (seconds a call plus
   seconds per byte), which every rank measures alike; a kind not measured costs its α-β
   time alone;
+* a strategy's own work is priced per parameter tensor, measured on probes alike on every
+  rank;
 * a strategy without a layout is refused in one line.
 """
 
@@ -121,12 +123,35 @@ def test_in_step_costs_are_measured_alike_on_every_rank(wrapped):
         assert line.fixed >= 0 and line.per_byte >= 0 and line.seconds(1 << 14) > 0
 
 
+def test_a_strategy_s_own_work_is_priced_per_parameter_tensor(model):
+    from dataclasses import replace
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0)
+    working = replace(plain, strategy_work={"torch-fsdp2": 1e-4})
+    a = predict_step("torch-fsdp2", model, 2, {}, plain, tokens=128)
+    b = predict_step("torch-fsdp2", model, 2, {}, working, tokens=128)
+    assert "strategy" not in a.compute
+    assert b.compute["strategy"] == pytest.approx(28 * 1e-4)  # gpt-tiny's 28 tensors
+    assert b.step_seconds - a.step_seconds == pytest.approx(28 * 1e-4)
+    # a strategy the machine has no figure for is priced without it
+    assert "strategy" not in predict_step("ddp", model, 2, {}, working, tokens=128).compute
+    assert b.timeline()[-1][1] == "strategy's own work"
+
+
+def test_the_strategies_own_work_is_measured_alike_on_every_rank(wrapped):
+    works = [out["work"] for out in wrapped]
+    assert works[0] == works[1] and set(works[0]) == {"ddp", "torch-fsdp2"}
+    assert all(w >= 0 for w in works[0].values())
+
+
 def test_bad_input_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="no optimizer layout"):
         stepped_tensors("deepspeed-zero2", model, 2)
     with pytest.raises(ValueError, match="dtensor_tensor_seconds"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 dtensor_tensor_seconds=-1)
-    with pytest.raises(ValueError, match="in-step costs >= 0"):
+    with pytest.raises(ValueError, match="strategy work >= 0"):
+        Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
+                strategy_work={"ddp": -1e-6})
+    with pytest.raises(ValueError, match="in-step costs"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 in_step={"all_reduce": InStepCost(fixed=-1e-3, per_byte=0.0)})

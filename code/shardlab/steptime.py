@@ -81,6 +81,10 @@ class Machine:
                                    # arrival skew and copies beside compute included
                                    # (`stepparts.collective_costs_in_step`); a kind it
                                    # lacks costs its α-β time alone
+    strategy_work: dict[str, float] = field(default_factory=dict)
+                                   # each strategy's own work a step, per parameter
+                                   # tensor (hooks, copies, views, DTensor dispatch),
+                                   # measured on probes (`workers.strategy_work`)
     # (op, bytes, world) -> seconds of one collective, in place of the α-β ring on one link
     # (alpha, beta and gloo unused then): a network of nodes (`shardlab.scaling`)
     network: Callable[[str, float, int], float] | None = None
@@ -89,10 +93,12 @@ class Machine:
         if not (self.flops > 0 and self.beta > 0 and self.alpha >= 0
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1
                 and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0
-                and all(c.fixed >= 0 and c.per_byte >= 0 for c in self.in_step.values())):
+                and all(c.fixed >= 0 and c.per_byte >= 0 for c in self.in_step.values())
+                and all(w >= 0 for w in self.strategy_work.values())):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
                              f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0, "
-                             f"in-step costs >= 0 and 0 <= hiding <= 1, got {self}")
+                             f"in-step costs, strategy work >= 0 and 0 <= hiding <= 1, "
+                             f"got {self}")
 
 
 def gpu_machine(flops: float, alpha: float, beta: float, *, hiding: float | None,
@@ -163,8 +169,10 @@ class StepPrediction:
         the compute, and the produced ones ending when their exposed part after the
         compute is over."""
         spans, t = [], 0.0
-        for phase, compute_name in (("forward", "forward"), ("backward", "backward"),
-                                    ("step", "optimizer")):
+        phases = [("forward", "forward"), ("backward", "backward"), ("step", "optimizer")]
+        if "strategy" in self.compute:
+            phases.append(("strategy", "strategy's own work"))
+        for phase, compute_name in phases:
             ops = [c for c in self.collectives if c.phase == phase]
             window = self.compute[phase] if phase != "step" else 0.0
             c_t = t
@@ -337,6 +345,9 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     compute = {"forward": 2 * psi * tokens / machine.flops,
                "backward": 4 * psi * tokens / machine.flops,
                "step": optimizer}
+    if strategy in machine.strategy_work:  # the strategy's own work, per parameter tensor
+        compute["strategy"] = machine.strategy_work[strategy] * sum(
+            1 for p in model.parameters() if p.requires_grad)
     if ledger is not None:
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
-from shardlab.cards import card
+from shardlab.cards import CARDS, card
 
 
 def whoami() -> tuple[int, int, str]:
@@ -324,7 +324,8 @@ IN_STEP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int = 8,
-                    seq_len: int = 32, repeats: int = 5) -> dict:
+                    seq_len: int = 32, repeats: int = 5,
+                    strategies: list[str] | None = None) -> dict:
     """Run on every rank: this machine as the step-time model sees it, one
     `steptime.Machine` per entry of `models` ({label: (model name, its config)}), every
     figure measured with all ranks working at once, each by a micro-benchmark of its own,
@@ -332,7 +333,9 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     this rank's rows of a batch, AdamW's costs per element, per tensor and per DTensor
     (`stepparts.optimizer_costs`), how much of an all-reduce compute hides, how much
     each kind of collective's cost inside a step (`stepparts.collective_costs_in_step`),
-    and α and β fitted to all-reduces and all-gathers."""
+    α and β fitted to all-reduces and all-gathers, and the own work per parameter tensor
+    of each of `strategies` (`strategy_work`, on probes; every strategy with a schedule
+    when None)."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -361,14 +364,90 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
                       hiding=hiding, gloo=dist.get_backend() == "gloo",
                       adam_tensor_seconds=adam.per_tensor,
                       dtensor_tensor_seconds=adam.per_dtensor, in_step=in_step)
+    if strategies is None:  # every strategy the time model has a schedule for
+        strategies = [name for name, c in CARDS.items()
+                      if c.schedule is not None and not c.one_process]
+    machine = replace(machine, strategy_work=strategy_work(strategies, machine,
+                                                           repeats=repeats))
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
+
+
+# two probes of the strategies' own work: Linear layers of this width, this many of them
+PROBE_WIDTH, PROBE_LAYERS = 8, (8, 40)
+
+
+def strategy_work(strategies: list[str], machine, rows: int = 8, repeats: int = 5) -> dict:
+    """Run on every rank: each strategy's own work in a step, per parameter tensor, in
+    seconds: what its step costs beyond the model's forward and backward, its optimizer
+    and its collectives (hooks, copies into and out of buckets and flat buffers, views,
+    DTensor's dispatch under PyTorch's `fully_shard`, zeroing).
+
+    Measured on two probes, never on the models it will predict: a stack of PROBE_LAYERS
+    Linear layers of PROBE_WIDTH features, whose matmuls and bytes are negligible, in one
+    unit (`wrap="model"`), so that the two probes launch the same collectives (PyTorch's
+    ZeRO-1 aside: it broadcasts each parameter, and the model prices those). Each probe's
+    step under the strategy, less the same probe's bare forward, backward and SGD step and
+    less its collectives as `machine` prices them, is the strategy's work on it; the
+    difference between the two probes, over the difference in their parameter tensors, is
+    the work per tensor (what does not grow with the tensors cancels). The ranks' mean, at
+    least 0."""
+    from torch import nn
+
+    from shardlab.models import loss_fn
+    from shardlab.optimizers import OptimizerSpec
+    from shardlab.precision import get_precision
+    from shardlab.step import train_step
+    from shardlab.stepparts import median_seconds
+    from shardlab.steptime import collective_seconds_on_machine, planned_collectives
+    from shardlab.strategy import get_strategy
+    if not strategies:
+        return {}
+    device, world = _device(), dist.get_world_size()
+    sgd = OptimizerSpec(torch.optim.SGD, {"lr": 0.0})
+    x = torch.randn(rows, PROBE_WIDTH, device=device)
+    y = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def probe(layers: int) -> nn.Module:
+        return nn.Sequential(*(nn.Linear(PROBE_WIDTH, PROBE_WIDTH)
+                               for _ in range(layers))).to(device)
+
+    def timed(step) -> float:
+        step()
+        step()  # warm-up: buffers, moments, the first collectives' connections
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            times.append(median_seconds(step, 1))
+        return statistics.median(times)
+
+    bare = {}
+    for layers in PROBE_LAYERS:
+        model = probe(layers)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        bare[layers] = timed(lambda: (loss_fn(model(x), y).backward(), opt.step(),
+                                      opt.zero_grad()))
+    figures = []
+    for name in strategies:
+        own = []
+        for layers in PROBE_LAYERS:
+            options = {"wrap": "model"} if card(name).takes_units else {}
+            collectives = sum(
+                collective_seconds_on_machine(op, nbytes, world, machine)
+                for op, nbytes in planned_collectives(name, probe(layers), world, options))
+            wrapped = get_strategy(name)(probe(layers), get_precision("fp32"), sgd, options)
+            own.append(timed(lambda: train_step(wrapped, [(x, y)])) - bare[layers]
+                       - collectives)
+        figures.append((own[1] - own[0]) / (2 * (PROBE_LAYERS[1] - PROBE_LAYERS[0])))
+    mean = torch.tensor(figures, dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    return {name: max(0.0, w / world) for name, w in zip(strategies, mean.tolist())}
 
 
 def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     """Run on every rank: for each strategy, the tensors its optimizer steps on this rank
     once the model is wrapped (elements of each, DTensors or not), what the time model's
-    layouts (`stepparts.stepped_tensors`) must list; and AdamW's costs measured small, over
-    this world's mesh."""
+    layouts (`stepparts.stepped_tensors`) must list; and, measured small, AdamW's costs over
+    this world's mesh, each kind of collective inside a step and two strategies' own work."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -376,6 +455,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     from shardlab.optimizers import OptimizerSpec, inner_optimizer
     from shardlab.precision import get_precision
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
+    from shardlab.steptime import Machine
     from shardlab.strategy import get_strategy
     device = _device()
     out = {}
@@ -392,4 +472,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     out["in_step"] = collective_costs_in_step(
         {kind: COLLECTIVES[kind] for kind in IN_STEP_KINDS}, sizes=(1 << 10, 1 << 14),
         repeats=1, device=device)
+    machine = Machine(flops=1.0, alpha=0.0, beta=1e9, adam_seconds=0.0, hiding=0.0,
+                      in_step=out["in_step"])
+    out["work"] = strategy_work(["ddp", "torch-fsdp2"], machine, repeats=1)
     return out
