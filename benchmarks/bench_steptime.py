@@ -185,6 +185,9 @@ def table(world: int, result: dict, args) -> list[dict]:
                     "predicted": {k: round(v, 6) for k, v in p.items()},
                     "measured": {k: round(v, 6) for k, v in m.items()},
                     "step_ratio": round(ratio, 3), "exposed_ratio": round(exp_ratio, 3),
+                    # each repetition's own ratio, for the spread over repetitions
+                    "step_ratio_reps": [round(pr["step"] / mr["step"], 3) for pr, mr in
+                                        zip(row["predicted"], row["measured"])],
                     "plain_ratio": round(plain_ratio, 3),
                     "term_off": note or None})
     return out
@@ -198,6 +201,18 @@ def errors_by_strategy(rows: list[dict], key: str = "step_ratio") -> dict:
             abs(r[key] - 1))
     return {s: {w: round(statistics.median(v), 3) for w, v in ws.items()}
             for s, ws in out.items()}
+
+
+def error_spread(rows: list[dict]) -> dict:
+    """{strategy: {world: (least, most)}}: each repetition's median error over the model
+    sizes, the least and the most of them (how much one repetition's verdict can move)."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["strategy"], {}).setdefault(r["world"], []).append(
+            [abs(x - 1) for x in r["step_ratio_reps"]])
+    return {s: {w: (round(min(map(statistics.median, zip(*v))), 3),
+                    round(max(map(statistics.median, zip(*v))), 3))
+                for w, v in ws.items()} for s, ws in out.items()}
 
 
 def growth(rows: list[dict], worlds: list[int]) -> None:
@@ -296,13 +311,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{load['end']}")
     errors = errors_by_strategy(rows)
     plain = errors_by_strategy(rows, "plain_ratio")
+    spread = error_spread(rows)
     print("\nmedian |predicted / measured - 1| of the step, over the model sizes "
           "(in brackets: the same runs, the plain model: AdamW as one flat tensor, "
-          "collectives at their α-β time alone):")
+          "collectives at their α-β time alone, no work of the strategy's own; then the "
+          "least and the most of the repetitions' own medians):")
     for s, ws in errors.items():
-        print(f"  {s:<12} " + "  ".join(f"world {w}: {100 * e:.0f}% ({100 * plain[s][w]:.0f}%)"
-                                        f"{' (misses 20%)' if e > TARGET else ''}"
-                                        for w, e in ws.items()))
+        print(f"  {s:<12} " + "  ".join(
+            f"world {w}: {100 * e:.0f}% ({100 * plain[s][w]:.0f}%) "
+            f"[{100 * spread[s][w][0]:.0f}-{100 * spread[s][w][1]:.0f}%]"
+            f"{' (misses 20%)' if e > TARGET else ''}" for w, e in ws.items()))
     growth(rows, args.worlds)
     print("\ntokens per rank from which backward covers the step's communication "
           f"(the model, repetition 1's machine, {list(MODELS)[-1]}):")
@@ -325,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                              for s, ws in errors.items()},
             "median_error_plain": {s: {str(w): e for w, e in ws.items()}
                                    for s, ws in plain.items()},
+            "median_error_spread": {s: {str(w): list(e) for w, e in ws.items()}
+                                    for s, ws in spread.items()},
             "rows": rows, "source": "measured by the command above"}, indent=1) + "\n")
     return 0
 
