@@ -411,33 +411,41 @@ def strategy_work(strategies: list[str], machine, rows: int = 8, repeats: int = 
         return nn.Sequential(*(nn.Linear(PROBE_WIDTH, PROBE_WIDTH)
                                for _ in range(layers))).to(device)
 
-    def timed(step) -> float:
-        step()
-        step()  # warm-up: buffers, moments, the first collectives' connections
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            times.append(median_seconds(step, 1))
-        return statistics.median(times)
-
-    bare = {}
-    for layers in PROBE_LAYERS:
+    def bare(layers: int):
         model = probe(layers)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        bare[layers] = timed(lambda: (loss_fn(model(x), y).backward(), opt.step(),
-                                      opt.zero_grad()))
+        return lambda: (loss_fn(model(x), y).backward(), opt.step(), opt.zero_grad())
+
+    def wrapped(name: str, layers: int, options: dict):
+        under = get_strategy(name)(probe(layers), get_precision("fp32"), sgd, options)
+        return lambda: train_step(under, [(x, y)])
+
     figures = []
     for name in strategies:
-        own = []
-        for layers in PROBE_LAYERS:
-            options = {"wrap": "model"} if card(name).takes_units else {}
-            collectives = sum(
-                collective_seconds_on_machine(op, nbytes, world, machine)
-                for op, nbytes in planned_collectives(name, probe(layers), world, options))
-            wrapped = get_strategy(name)(probe(layers), get_precision("fp32"), sgd, options)
-            own.append(timed(lambda: train_step(wrapped, [(x, y)])) - bare[layers]
-                       - collectives)
-        figures.append((own[1] - own[0]) / (2 * (PROBE_LAYERS[1] - PROBE_LAYERS[0])))
+        options = {"wrap": "model"} if card(name).takes_units else {}
+        collectives = [sum(collective_seconds_on_machine(op, nbytes, world, machine)
+                           for op, nbytes in planned_collectives(name, probe(layers), world,
+                                                                 options))
+                       for layers in PROBE_LAYERS]
+        # the four steps timed in turn, so that a noisy moment of a shared machine hits
+        # them alike: each probe bare and under the strategy
+        steps = [bare(PROBE_LAYERS[0]), bare(PROBE_LAYERS[1]),
+                 wrapped(name, PROBE_LAYERS[0], options),
+                 wrapped(name, PROBE_LAYERS[1], options)]
+        for step in steps:
+            step()
+            step()  # warm-up: buffers, moments, the first collectives' connections
+        differences = []
+        for _ in range(repeats):
+            times = []
+            for step in steps:
+                dist.barrier()
+                times.append(median_seconds(step, 1))
+            small = times[2] - times[0] - collectives[0]
+            large = times[3] - times[1] - collectives[1]
+            differences.append(large - small)
+        tensors = 2 * (PROBE_LAYERS[1] - PROBE_LAYERS[0])  # a weight and a bias a layer
+        figures.append(statistics.median(differences) / tensors)
     mean = torch.tensor(figures, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
     return {name: max(0.0, w / world) for name, w in zip(strategies, mean.tolist())}
