@@ -208,3 +208,17 @@ def test_clock_offset_is_zero_on_one_host():
 def test_summary_table_lists_every_rank(runs):
     table = summary_table(runs["zero1"])
     assert table.count("\n   0 ") == 2 and table.count("\n   1 ") == 2
+
+
+def test_the_median_step_leaves_out_the_warm_up_steps_asked():
+    from types import SimpleNamespace
+
+    from shardlab.report import median_step_time
+    settling = SimpleNamespace(step_times=[9.0, 5.0, 4.0, 1.0, 1.0, 1.0, 1.0, 7.0])
+    assert median_step_time(settling) == 1.0 and median_step_time(settling, 3) == 1.0
+    assert median_step_time(SimpleNamespace(step_times=[9.0, 5.0, 4.0, 1.0, 7.0]), 1) == 4.0
+    assert median_step_time(SimpleNamespace(step_times=[9.0, 5.0, 4.0, 1.0, 7.0]), 3) == 1.0
+    # too few steps to leave out that many: the steady ones (all but the first and last)
+    assert median_step_time(SimpleNamespace(step_times=[9.0, 5.0, 7.0]), 3) == 5.0
+    with pytest.raises(ValueError, match="at least the first"):
+        median_step_time(settling, 0)

@@ -139,10 +139,18 @@ def steady_steps(report: RunReport) -> list[int]:
     return list(range(1, n - 1)) if n > 2 else list(range(n))
 
 
-def median_step_time(report: RunReport) -> float:
-    """Median of the step times, leaving out the first (warm-up) and the last (memory
-    tracking) step when there are enough steps."""
-    return statistics.median(report.step_times[i] for i in steady_steps(report))
+def median_step_time(report: RunReport, warmup: int = 1) -> float:
+    """Median of the step times, leaving out the first `warmup` and the last (memory
+    tracking) step when there are enough steps. A fresh process takes a few steps to
+    settle (its allocator keeps a step's short-lived buffers only after the first ones
+    have faulted their pages in), so a benchmark that times a few steps leaves out more
+    than one."""
+    if warmup < 1:
+        raise ValueError(f"warmup leaves out at least the first step, got {warmup}")
+    steps = steady_steps(report)
+    if len(report.step_times) > warmup + 1:
+        steps = list(range(warmup, len(report.step_times) - 1))
+    return statistics.median(report.step_times[i] for i in steps)
 
 
 def unit_sizes(report: RunReport) -> list[int]:
