@@ -16,11 +16,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = (ROOT / "README.md").read_text()
 FLAT = " ".join(README.split())
 
-# which command's file each row of the first table comes from, as the README says
-# ("the ddp, zero3 and fsdp2 rows from the first command, the zero1 and zero2 rows from
-# the second")
-FIRST_TABLE = {"ddp": "pytorch-1mb-buckets", "zero3": "pytorch-1mb-buckets",
-               "fsdp2": "pytorch-1mb-buckets", "zero1": "pytorch", "zero2": "pytorch"}
+# the file of each bucket size in the tables against PyTorch and DeepSpeed, as the README
+# names the commands that wrote them
+BUCKETS = {"2²⁰ elements": "1m-buckets", "25 MB": "25m-buckets"}
 
 
 def results(name: str) -> dict:
@@ -54,37 +52,50 @@ def test_every_results_file_names_its_command_and_source():
         assert all(word in FLAT for word in command.split()), path.name
 
 
+def rows_against(against: str) -> dict[tuple[str, str, str], dict]:
+    """(ours, ranks, buckets) -> the results row, for every strategy of the course that
+    the files compare with a reference of `against` ("pytorch" or "deepspeed")."""
+    out = {}
+    for buckets, suffix in BUCKETS.items():
+        for world, table in results(f"{against}-{suffix}")["worlds"].items():
+            for name, row in table["rows"].items():
+                if row["reference"] is not None:
+                    out[name, world, buckets] = {**row, "theirs": table["rows"][row["reference"]]}
+    return out
+
+
 def test_the_table_against_pytorch():
-    rows = table_rows("| ours | PyTorch's |")
-    assert {strategy(r[0]) for r in rows} == set(FIRST_TABLE)
-    for ours_cell, theirs_cell, numbers in rows:
-        ours, theirs = strategy(ours_cell), strategy(theirs_cell)
-        data = results(FIRST_TABLE[ours])["rows"]
-        assert data[ours]["reference"] == theirs
-        expected = (f"{data[ours]['step_ms']:.1f} / {data[theirs]['step_ms']:.1f} ms "
-                    f"(**{data[ours]['ratio']:.2f}**)")
-        assert numbers == expected, ours
-
-
-def test_the_small_buckets_figures_in_the_prose():
-    data = results("pytorch-1mb-buckets")["rows"]
-    z1, z2 = data["zero1"], data["zero2"]
-    assert (f"they then take {z1['step_ms']:.1f} and {z2['step_ms']:.1f} ms, "
-            f"{z1['ratio']:.2f} × and {z2['ratio']:.2f} × their references") in FLAT
+    expected = rows_against("pytorch")
+    rows = table_rows("| ours | PyTorch's | ranks | buckets |")
+    assert {(strategy(r[0]), r[2], r[3]) for r in rows} == set(expected)
+    for ours_cell, theirs_cell, ranks, buckets, numbers in rows:
+        row = expected[strategy(ours_cell), ranks, buckets]
+        assert row["reference"] == strategy(theirs_cell)
+        assert numbers == (f"{row['step_ms']:.1f} / {row['theirs']['step_ms']:.1f} ms "
+                           f"(**{row['ratio']:.2f}**)"), (ours_cell, ranks, buckets)
 
 
 def test_the_table_beside_deepspeed():
-    data = results("deepspeed")["rows"]
-    rows = table_rows("| ours | DeepSpeed's |")
-    assert len(rows) == 3
-    for ours_cell, theirs_cell, step, optim, sent in rows:
-        ours, theirs = strategy(ours_cell), strategy(theirs_cell)
-        a, b = data[ours], data[theirs]
-        assert a["reference"] == theirs
+    expected = rows_against("deepspeed")
+    rows = table_rows("| ours | DeepSpeed's | ranks | buckets |")
+    assert {(strategy(r[0]), r[2], r[3]) for r in rows} == set(expected)
+    for ours_cell, theirs_cell, ranks, buckets, step, optim, sent in rows:
+        a = expected[strategy(ours_cell), ranks, buckets]
+        b = a["theirs"]
+        assert a["reference"] == strategy(theirs_cell)
         assert step == f"{a['step_ms']:.1f} / {b['step_ms']:.1f} ms (**{a['ratio']:.2f}**)"
         assert optim == f"{a['optimizer_mib']:.2f} / {b['optimizer_mib']:.2f}"
         assert sent == f"{a['sent_mib_per_step']:.2f} / {b['sent_mib_per_step']:.2f}"
-    assert f"(the {data['deepspeed-zero3']['grads_mib']:.2f} MiB of gradients" in FLAT
+    big = results("deepspeed-25m-buckets")["worlds"]["4"]["rows"]
+    assert f"(the {big['deepspeed-zero3']['grads_mib']:.2f} MiB of gradients" in FLAT
+
+
+def test_the_load_beside_the_tables():
+    """The machine's load while the tables were measured, as the files recorded it."""
+    for against in ("pytorch", "deepspeed"):
+        for suffix in BUCKETS.values():
+            load = results(f"{against}-{suffix}")["setup"]["load_average"]
+            assert f"{load['start'][0]:.2f} to {load['end'][0]:.2f}" in FLAT, (against, suffix)
 
 
 def test_the_overlap_table_and_its_prose():
@@ -112,8 +123,8 @@ def test_a_changed_result_fails(monkeypatch):
 
     def altered(name):
         data = original(name)
-        if name == "pytorch":
-            data["rows"]["zero1"]["step_ms"] += 0.1
+        if name == "pytorch-1m-buckets":
+            data["worlds"]["4"]["rows"]["zero1"]["step_ms"] += 0.1
         return data
     monkeypatch.setitem(globals(), "results", altered)
     with pytest.raises(AssertionError):

@@ -57,6 +57,8 @@ def cases_for(world: int) -> list[TrainConfig]:
         # awkward models (MemTracker cannot hook frozen parameters: no peak for them)
         replace(BASE, model="toy-frozen", strategy="zero2", measure_memory=False, **sgd),
         replace(BASE, model="toy-unused", strategy="zero1", measure_memory=False, **sgd),
+        # a parameter without a gradient in a bucket with others: its slot reads zero
+        replace(BASE, model="toy-unused", strategy="zero2", measure_memory=False, **sgd),
         replace(BASE, model="toy-tied", strategy="zero2", options=ONE_BUCKET),
         # parameter groups with their own weight decay and learning rate
         replace(GPT, strategy="zero2", options={"param_groups": w.decay_groups,

@@ -94,11 +94,24 @@ class BackwardReducer:
         self._complete_finished()
         with trace.span("gradient into bucket", b.index):
             if b not in self.buffers:
-                self.buffers[b] = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+                self.buffers[b] = self._new_buffer(b, p)
             self.buffers[b][b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
         self.waiting[b].discard(i)
         self.to_free.append(p)
         self._reduce_ready_buckets()
+
+    @staticmethod
+    def _new_buffer(b: Bucket, p: nn.Parameter) -> torch.Tensor:
+        """A bucket's gradient buffer, zeroed only where no gradient will be copied: the
+        padding (at the end, or between the parameters of a `whole_params` layout). The
+        slots of parameters that get no gradient are zeroed when the bucket is reduced.
+        Zeroing it all would write every gradient's bytes once more each step."""
+        if b.offsets != tuple(sum(q.numel() for q in b.params[:i])
+                              for i in range(len(b.params))):
+            return torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+        buffer = torch.empty(b.padded_numel, dtype=p.dtype, device=p.device)
+        buffer[b.numel:].zero_()
+        return buffer
 
     def _free_full_grads(self) -> None:
         for p in self.to_free:
@@ -120,6 +133,8 @@ class BackwardReducer:
         if b not in self.buffers:  # no parameter of the bucket had a gradient
             self.buffers[b] = torch.zeros_like(b.region(g.flat_param))
         buffer = self.buffers[b]
+        for i in self.waiting[b]:  # took no part in this step: a zero gradient
+            buffer[b.offsets[i]:b.offsets[i] + b.params[i].numel()].zero_()
         mine = torch.empty(b.chunk_numel, dtype=buffer.dtype, device=buffer.device)
         trace.mark("reduce-scatter", b.index)
         work = reduce_scatter_into(mine, buffer, group=self.process_group, async_op=True)

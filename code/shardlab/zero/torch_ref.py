@@ -15,13 +15,17 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from shardlab.buckets import DEFAULT_BUCKET_MB
 from shardlab.clip import GradClip
 from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import MasterWeightOptimizer, Precision
 from shardlab.strategy import (Piece, Wrapped, cast_model, check_options,
                                named_full_parameters, state_of, tied_names)
 
-TORCH_ZERO1_OPTIONS: dict[str, Any] = {"find_unused_parameters": False}
+# bucket_mb: the bucket_cap_mb of the DDP that reduces its gradients (PyTorch's 25 by
+# default), so that it can be given the bucket the course's zero1 is given
+TORCH_ZERO1_OPTIONS: dict[str, Any] = {"find_unused_parameters": False,
+                                       "bucket_mb": DEFAULT_BUCKET_MB}
 
 
 class TorchZero1:
@@ -107,7 +111,8 @@ def wrap_torch_zero1(model: nn.Module, precision: Precision, optimizer: Optimize
     """Reference: torch.distributed.optim.ZeroRedundancyOptimizer over PyTorch DDP."""
     opts = check_options("torch-zero1", options, TORCH_ZERO1_OPTIONS)
     model = cast_model(model, precision)
-    ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"])
+    ddp = DistributedDataParallel(model, find_unused_parameters=opts["find_unused_parameters"],
+                                  bucket_cap_mb=float(opts["bucket_mb"]))
     zero = TorchZero1(ddp, optimizer.cls, precision.master_weights, **optimizer.kwargs)
     return Wrapped(ddp, zero, no_sync=ddp.no_sync,
                    full_parameters=lambda: named_full_parameters(model),
