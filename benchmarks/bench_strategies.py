@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from shardlab.cards import CARDS
 from shardlab.config import TrainConfig
-from shardlab.report import ledger_totals, report_to_json
+from shardlab.report import ledger_totals, median_step_time, report_to_json
 from shardlab.train import run
 
 AGAINST = ("pytorch", "deepspeed")
@@ -47,7 +47,7 @@ MIB = 1024 * 1024
 def step_time(reports, warmup: int = 1) -> float:
     """A step is as slow as its slowest rank; a rank's step is its median over the steps
     after the first `warmup` and before the last (the one that tracks memory)."""
-    return max(statistics.median(r.step_times[warmup:-1]) for r in reports)
+    return max(median_step_time(r, warmup) for r in reports)
 
 
 def write_results(path: str, results: dict) -> None:
