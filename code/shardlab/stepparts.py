@@ -219,21 +219,26 @@ def collective_costs_in_step(collectives: dict[str, Callable[[torch.Tensor], Non
             torch.cuda.synchronize(device)
 
     one_matmul = max(median_seconds(lambda: (a @ a, done()), 3), 1e-6)
-    figures = []
+    # each (kind, size): its tensor and the matmuls that come before it (about as long as
+    # the collective alone)
+    cases = []
     for run in collectives.values():
         for nbytes in sizes:
             x = torch.ones(max(world, nbytes // 4 // world * world), device=device)
             run(x)  # warm-up: the first use of a size allocates and connects
             dist.barrier()
-            matmuls = max(1, int(median_seconds(lambda: (run(x), done()), 3) / one_matmul))
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                for _ in range(matmuls):
-                    a @ a
-                done()
-                times.append(median_seconds(lambda: (run(x), done()), 1))
-            figures.append(statistics.median(times))
+            alone = median_seconds(lambda: (run(x), done()), 3)
+            cases.append((run, x, max(1, int(alone / one_matmul))))
+    # timed in turn, a round at a time, so that a noisy moment hits every case alike
+    times = [[] for _ in cases]
+    for _ in range(repeats):
+        for (run, x, matmuls), timed in zip(cases, times):
+            dist.barrier()
+            for _ in range(matmuls):
+                a @ a
+            done()
+            timed.append(median_seconds(lambda: (run(x), done()), 1))
+    figures = [statistics.median(timed) for timed in times]
     mean = torch.tensor(figures, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
     mean = (mean / world).tolist()

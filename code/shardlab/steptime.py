@@ -46,6 +46,7 @@ second over a GPU's *datasheet* peak (`datasheet_peak`), is what `shardlab.repor
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -451,26 +452,57 @@ def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
     a forward and a backward over `x` (T tokens), with no communication. Below the matmul
     rate by everything that is not a matmul (norms, softmax, the loss, autograd's own work):
     the rate the step-time model divides 6ΨT by."""
-    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return compute_rates({"model": model}, x, y, loss_fn, repeats)["model"]
 
-    def forward_backward():
-        loss_fn(model(x), y).backward()
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
 
-    forward_backward()  # warm-up
-    seconds = median_seconds(forward_backward, repeats)
-    model.zero_grad(set_to_none=True)
-    return 6 * psi * x.numel() / seconds
+def compute_rates(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, loss_fn,
+                  repeats: int = 3, between: Callable[[], None] = lambda: None
+                  ) -> dict[str, float]:
+    """`compute_rate` of each of `models`, timed in turn, one forward and backward of each
+    a round, `repeats` rounds (`between()` runs before each timing: a barrier, for ranks
+    that time together), so that a noisy moment of a shared machine hits them alike."""
+    def forward_backward(model):
+        def run():
+            loss_fn(model(x), y).backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+        return run
+
+    runs = {label: forward_backward(model) for label, model in models.items()}
+    for run in runs.values():  # warm-up: a fresh process's first runs fault pages in
+        run()
+        run()
+    times: dict[str, list[float]] = {label: [] for label in models}
+    for _ in range(repeats):
+        for label, run in runs.items():
+            between()
+            times[label].append(median_seconds(run, 1))
+    rates = {}
+    for label, model in models.items():
+        model.zero_grad(set_to_none=True)
+        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        rates[label] = 6 * psi * x.numel() / statistics.median(times[label])
+    return rates
 
 
 def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
                     device: torch.device | str = "cpu") -> float:
     """Run on every rank of a group: the share of an all-reduce's time that compute
+    running meanwhile hides, the median of `hiding_shares`' rounds."""
+    return statistics.median(hiding_shares(numel, repeats, device))
+
+
+def hiding_shares(numel: int = 1 << 20, repeats: int = 3,
+                  device: torch.device | str = "cpu") -> list[float]:
+    """Run on every rank of a group: the share of an all-reduce's time that compute
     running meanwhile hides, (C + M - T) / min(C, M), with C matmuls alone, M the
     all-reduce alone and T both at once. Below 1 wherever communication and compute share
     something: the cores (gloo on a CPU), or SMs and memory bandwidth (NCCL's kernels on a
-    GPU, where it is measured by the GPU check, not assumed)."""
+    GPU, where it is measured by the GPU check, not assumed). One share a round, for
+    `repeats` rounds, each timing the three in turn. On a shared CPU one round's share
+    can be anything from 0 to 1, and rounds taken together agree with each other more
+    than with rounds taken a second later: take the median of rounds from several
+    moments (`workers.measure_machine` does)."""
     import torch.distributed as dist
     device = torch.device(device)
     x = torch.ones(numel, device=device)
@@ -500,14 +532,19 @@ def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
         done()
 
     def both():
-        work = dist.all_reduce(x, async_op=True)
+        handle = dist.all_reduce(x, async_op=True)
         compute()
-        work.wait()
+        handle.wait()
         done()
 
-    dist.barrier()
-    compute_alone = median_seconds(compute, repeats)
-    dist.barrier()
-    together = median_seconds(both, repeats)
-    hidden = (compute_alone + comm_alone - together) / min(compute_alone, comm_alone)
-    return min(1.0, max(0.0, hidden))
+    # the three timed in turn, a round at a time: one round's share each, and their
+    # median, so that a noisy moment of a shared machine spoils a round, not the figure
+    shares = []
+    for _ in range(repeats):
+        timed = []
+        for run in (compute, communicate, both):
+            dist.barrier()
+            timed.append(median_seconds(run, 1))
+        c, m, t = timed
+        shares.append(min(1.0, max(0.0, (c + m - t) / min(c, m))))
+    return shares

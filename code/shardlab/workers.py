@@ -342,21 +342,25 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
-    from shardlab.steptime import Machine, compute_rate, hiding_fraction
+    from shardlab.steptime import Machine, compute_rates, hiding_shares
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len))
-    rates = {}
-    for label, (name, config) in models.items():
-        dist.barrier()
-        model = build_model(name, 0, config).to(device)
-        rates[label] = compute_rate(model, x, y, loss_fn, repeats=repeats)
+    # the hiding share's rounds are taken at three moments, between the other figures:
+    # on a shared CPU rounds taken together agree with each other more than with later ones
+    shares = hiding_shares(repeats=repeats, device=device)
+    # every rank times its models together, in turn, a round at a time
+    rates = compute_rates({label: build_model(name, 0, config).to(device)
+                           for label, (name, config) in models.items()},
+                          x, y, loss_fn, repeats=repeats, between=dist.barrier)
     dist.barrier()
     adam = optimizer_costs(repeats=repeats, device=device,
                            mesh=init_device_mesh(device.type, (world,)))
-    hiding = hiding_fraction(repeats=repeats, device=device)
+    shares += hiding_shares(repeats=repeats, device=device)
     in_step = collective_costs_in_step({kind: COLLECTIVES[kind] for kind in IN_STEP_KINDS},
                                        repeats=repeats, device=device)
+    shares += hiding_shares(repeats=repeats, device=device)
+    hiding = statistics.median(shares)
     records = time_collectives(["all_reduce", "all_gather"], MACHINE_SIZES, repeats,
                                typical=True)
     alpha, beta = comm.fit_alpha_beta(records)
