@@ -105,7 +105,7 @@ def predicted(strategy: str, label: str, world: int, machine, args) -> dict:
     # at its α-β time alone, and no work of the strategy's own
     plain = predict_step(strategy, model, world, {}, replace(
         machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, in_step={},
-        strategy_work={}),
+        strategy_work={}, unit_work={}),
         tokens=tokens)
     return {"step": step.step_seconds, "exposed": step.exposed_seconds,
             "comm": step.comm_seconds, "compute": step.compute_seconds,
@@ -164,6 +164,9 @@ def table(world: int, result: dict, args) -> list[dict]:
                       for k, c in m0.in_step.items())
           + "; the strategies' own work per tensor: "
           + ", ".join(f"{k} {1e6 * w:.0f} µs" for k, w in m0.strategy_work.items()
+                      if k in args.strategies)
+          + "; per unit past the first: "
+          + ", ".join(f"{k} {1e6 * w:.0f} µs" for k, w in m0.unit_work.items()
                       if k in args.strategies) + "; compute "
           + ", ".join(f"{k} {r[k].flops / 1e9:.1f}" for r in result["machines"][:1]
                       for k in MODELS) + " GFLOP/s per rank (repetition 1)")

@@ -137,10 +137,13 @@ def test_the_step_time_table():
     data = results("steptime")
     rows = table_rows("| strategy | median error, 2 ranks |")
     assert {strategy(r[0]) for r in rows} == set(data["median_error"])
-    for name_cell, two, four, term in rows:
+    for name_cell, two, four, spread_two, spread_four, term in rows:
         name = strategy(name_cell)
         errors = data["median_error"][name]
         assert two == f"{100 * errors['2']:.0f}%" and four == f"{100 * errors['4']:.0f}%"
+        for cell, (least, most) in ((spread_two, data["median_error_spread"][name]["2"]),
+                                    (spread_four, data["median_error_spread"][name]["4"])):
+            assert cell == f"{100 * least:.0f}–{100 * most:.0f}%", name
         named = [r["term_off"].split(" off")[0] for r in data["rows"]
                  if r["strategy"] == name and r["term_off"]]
         expected = max(sorted(set(named)), key=named.count) if named else "none"

@@ -9,8 +9,8 @@
 * a collective inside a step costs its kind's measured in-step line (seconds a call plus
   seconds per byte), which every rank measures alike; a kind not measured costs its α-β
   time alone;
-* a strategy's own work is priced per parameter tensor, measured on probes alike on every
-  rank;
+* a strategy's own work is priced per parameter tensor and per unit past the first,
+  measured on probes alike on every rank;
 * a strategy without a layout is refused in one line.
 """
 
@@ -139,8 +139,25 @@ def test_a_strategy_s_own_work_is_priced_per_parameter_tensor(model):
 
 def test_the_strategies_own_work_is_measured_alike_on_every_rank(wrapped):
     works = [out["work"] for out in wrapped]
-    assert works[0] == works[1] and set(works[0]) == {"ddp", "torch-fsdp2"}
-    assert all(w >= 0 for w in works[0].values())
+    per_tensor, per_unit = works[0]
+    assert works[0] == works[1] and set(per_tensor) == {"ddp", "torch-fsdp2"}
+    assert set(per_unit) == {"torch-fsdp2"}  # DDP has no units
+    assert all(w >= 0 for w in per_tensor.values())  # a unit's figure may be below 0
+
+
+def test_a_strategy_s_own_work_is_priced_per_unit_past_the_first(model):
+    from dataclasses import replace
+
+    from shardlab.wrap import unit_modules
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0)
+    working = replace(plain, strategy_work={"zero3": 1e-5}, unit_work={"zero3": 1e-3})
+    units = len(unit_modules(model, "auto"))
+    step = predict_step("zero3", model, 2, {}, working, tokens=128)
+    assert units > 1
+    assert step.compute["strategy"] == pytest.approx(28 * 1e-5 + (units - 1) * 1e-3)
+    # one unit (the whole model): nothing per unit
+    whole = predict_step("zero3", model, 2, {"wrap": "model"}, working, tokens=128)
+    assert whole.compute["strategy"] == pytest.approx(28 * 1e-5)
 
 
 def test_bad_input_is_refused_in_one_line(model):

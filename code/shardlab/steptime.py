@@ -86,6 +86,9 @@ class Machine:
                                    # each strategy's own work a step, per parameter
                                    # tensor (hooks, copies, views, DTensor dispatch),
                                    # measured on probes (`workers.strategy_work`)
+    unit_work: dict[str, float] = field(default_factory=dict)
+                                   # and per unit past the first, for a strategy of units:
+                                   # beyond its collectives' lines, so of either sign
     # (op, bytes, world) -> seconds of one collective, in place of the α-β ring on one link
     # (alpha, beta and gloo unused then): a network of nodes (`shardlab.scaling`)
     network: Callable[[str, float, int], float] | None = None
@@ -349,6 +352,10 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     if strategy in machine.strategy_work:  # the strategy's own work, per parameter tensor
         compute["strategy"] = machine.strategy_work[strategy] * sum(
             1 for p in model.parameters() if p.requires_grad)
+    if strategy in machine.unit_work and world > 1:  # and per unit past the first
+        units = len(unit_modules(model, options.get("wrap", "auto")))
+        compute["strategy"] = max(0.0, compute.get("strategy", 0.0)
+                                  + machine.unit_work[strategy] * (units - 1))
     if ledger is not None:
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:

@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardlab import comm
 from shardlab.cards import CARDS, card
@@ -371,32 +372,42 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     if strategies is None:  # every strategy the time model has a schedule for
         strategies = [name for name, c in CARDS.items()
                       if c.schedule is not None and not c.one_process]
-    machine = replace(machine, strategy_work=strategy_work(strategies, machine,
-                                                           repeats=repeats))
+    per_tensor, per_unit = strategy_work(strategies, machine, repeats=repeats)
+    machine = replace(machine, strategy_work=per_tensor, unit_work=per_unit)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
 
 
-# two probes of the strategies' own work: Linear layers of this width, this many of them
-PROBE_WIDTH, PROBE_LAYERS = 8, (8, 40)
+# two probes of the strategies' own work: Linear layers of this width, this many of them;
+# and for a strategy of units, the larger cut in this many units
+PROBE_WIDTH, PROBE_LAYERS, PROBE_UNITS = 8, (8, 40), 8
 
 
-def strategy_work(strategies: list[str], machine, rows: int = 8, repeats: int = 5) -> dict:
-    """Run on every rank: each strategy's own work in a step, per parameter tensor, in
-    seconds: what its step costs beyond the model's forward and backward, its optimizer
-    and its collectives (hooks, copies into and out of buckets and flat buffers, views,
-    DTensor's dispatch under PyTorch's `fully_shard`, zeroing).
+class ProbeUnit(nn.Sequential):
+    """Some of a probe's Linear layers, one unit of a strategy of units."""
 
-    Measured on two probes, never on the models it will predict: a stack of PROBE_LAYERS
-    Linear layers of PROBE_WIDTH features, whose matmuls and bytes are negligible, in one
-    unit (`wrap="model"`), so that the two probes launch the same collectives (PyTorch's
-    ZeRO-1 aside: it broadcasts each parameter, and the model prices those). Each probe's
-    step under the strategy, less the same probe's bare forward, backward and SGD step and
-    less its collectives as `machine` prices them, is the strategy's work on it; the
-    difference between the two probes, over the difference in their parameter tensors, is
-    the work per tensor (what does not grow with the tensors cancels). The ranks' mean, at
-    least 0."""
-    from torch import nn
 
+def strategy_work(strategies: list[str], machine, rows: int = 8,
+                  repeats: int = 5) -> tuple[dict, dict]:
+    """Run on every rank: each strategy's own work in a step, in seconds, per parameter
+    tensor and, for a strategy of units, per unit: what its step costs beyond the model's
+    forward and backward, its optimizer and its collectives as `machine` prices them
+    (hooks, copies into and out of buckets and flat buffers, views, DTensor's dispatch
+    under PyTorch's `fully_shard`, zeroing; and what a unit's gathers and reduce-scatters
+    cost beyond their lines, coming one after another in a step).
+
+    Measured on probes, never on the models it will predict: stacks of PROBE_LAYERS
+    Linear layers of PROBE_WIDTH features, whose matmuls and bytes are negligible. Per
+    tensor: the two stacks in one unit (`wrap="model"`), so that both launch the same
+    collectives (PyTorch's ZeRO-1 aside: it broadcasts each parameter, and the model prices
+    those); each stack's step under the strategy, less its bare forward, backward and SGD
+    step and less its collectives, is the strategy's work on it, and the difference over
+    the difference in parameter tensors is the work per tensor. Per unit: the larger stack
+    cut in PROBE_UNITS units against the same in one, the difference over the units added.
+    The steps are timed in turn, a round at a time, the median of the rounds; the ranks'
+    mean, per tensor at least 0. A unit's figure keeps its sign: it is what a unit adds
+    beyond its collectives' lines, and where a step's collectives, coming one after
+    another, cost less than those lines say (ranks already together), it is below 0.
+    Returns ({strategy: per tensor}, {strategy: per unit})."""
     from shardlab.models import loss_fn
     from shardlab.optimizers import OptimizerSpec
     from shardlab.precision import get_precision
@@ -405,54 +416,68 @@ def strategy_work(strategies: list[str], machine, rows: int = 8, repeats: int = 
     from shardlab.steptime import collective_seconds_on_machine, planned_collectives
     from shardlab.strategy import get_strategy
     if not strategies:
-        return {}
+        return {}, {}
     device, world = _device(), dist.get_world_size()
     sgd = OptimizerSpec(torch.optim.SGD, {"lr": 0.0})
     x = torch.randn(rows, PROBE_WIDTH, device=device)
     y = torch.zeros(rows, dtype=torch.long, device=device)
+    small, large = PROBE_LAYERS
 
-    def probe(layers: int) -> nn.Module:
-        return nn.Sequential(*(nn.Linear(PROBE_WIDTH, PROBE_WIDTH)
-                               for _ in range(layers))).to(device)
+    def probe(layers: int, units: int = 1) -> nn.Module:
+        linears = [nn.Linear(PROBE_WIDTH, PROBE_WIDTH) for _ in range(layers)]
+        if units == 1:
+            return nn.Sequential(*linears).to(device)
+        per = layers // units
+        return nn.Sequential(*(ProbeUnit(*linears[u * per:(u + 1) * per])
+                               for u in range(units))).to(device)
 
     def bare(layers: int):
         model = probe(layers)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         return lambda: (loss_fn(model(x), y).backward(), opt.step(), opt.zero_grad())
 
-    def wrapped(name: str, layers: int, options: dict):
-        under = get_strategy(name)(probe(layers), get_precision("fp32"), sgd, options)
-        return lambda: train_step(under, [(x, y)])
+    def under(name: str, model: nn.Module, options: dict):
+        wrapped = get_strategy(name)(model, get_precision("fp32"), sgd, options)
+        return lambda: train_step(wrapped, [(x, y)])
 
-    figures = []
+    def collectives(name: str, model: nn.Module, options: dict) -> float:
+        return sum(collective_seconds_on_machine(op, nbytes, world, machine)
+                   for op, nbytes in planned_collectives(name, model, world, options))
+
+    per_tensor, per_unit = [], []
     for name in strategies:
-        options = {"wrap": "model"} if card(name).takes_units else {}
-        collectives = [sum(collective_seconds_on_machine(op, nbytes, world, machine)
-                           for op, nbytes in planned_collectives(name, probe(layers), world,
-                                                                 options))
-                       for layers in PROBE_LAYERS]
-        # the four steps timed in turn, so that a noisy moment of a shared machine hits
-        # them alike: each probe bare and under the strategy
-        steps = [bare(PROBE_LAYERS[0]), bare(PROBE_LAYERS[1]),
-                 wrapped(name, PROBE_LAYERS[0], options),
-                 wrapped(name, PROBE_LAYERS[1], options)]
-        for step in steps:
-            step()
-            step()  # warm-up: buffers, moments, the first collectives' connections
-        differences = []
+        units = card(name).takes_units
+        one_unit = {"wrap": "model"} if units else {}
+        # (step, its bare counterpart, what its collectives cost by the machine's lines)
+        cases = [(under(name, probe(layers), one_unit), bare(layers),
+                  collectives(name, probe(layers), one_unit)) for layers in PROBE_LAYERS]
+        if units:
+            cut = {"wrap": (ProbeUnit,)}
+            cases.append((under(name, probe(large, PROBE_UNITS), cut), bare(large),
+                          collectives(name, probe(large, PROBE_UNITS), cut)))
+        for step, plain, _ in cases:
+            for run in (step, step, plain):  # warm-up: buffers, moments, connections
+                run()
+        rounds = []
         for _ in range(repeats):
-            times = []
-            for step in steps:
+            own = []
+            for step, plain, comm_seconds in cases:
                 dist.barrier()
-                times.append(median_seconds(step, 1))
-            small = times[2] - times[0] - collectives[0]
-            large = times[3] - times[1] - collectives[1]
-            differences.append(large - small)
-        tensors = 2 * (PROBE_LAYERS[1] - PROBE_LAYERS[0])  # a weight and a bias a layer
-        figures.append(statistics.median(differences) / tensors)
-    mean = torch.tensor(figures, dtype=torch.float64, device=device)
+                t = median_seconds(step, 1)
+                dist.barrier()
+                own.append(t - median_seconds(plain, 1) - comm_seconds)
+            rounds.append(own)
+        own = [statistics.median(r[i] for r in rounds) for i in range(len(cases))]
+        per_tensor.append((own[1] - own[0]) / (2 * (large - small)))  # weight and bias
+        per_unit.append((own[2] - own[1]) / PROBE_UNITS if units else 0.0)
+    mean = torch.tensor(per_tensor + per_unit, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
-    return {name: max(0.0, w / world) for name, w in zip(strategies, mean.tolist())}
+    mean = [w / world for w in mean.tolist()]
+    n = len(strategies)
+    # a unit's figure keeps its sign: where a step's collectives, one after another, cost
+    # less than their lines (timed each after compute) say, a unit adds less than them
+    return ({name: max(0.0, w) for name, w in zip(strategies, mean[:n])},
+            {name: w for name, w in zip(strategies, mean[n:]) if card(name).takes_units})
 
 
 def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
