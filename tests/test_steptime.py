@@ -23,8 +23,8 @@ from shardlab.cards import CARDS
 from shardlab.comm import CollectiveRecord
 from shardlab.models import build_model
 from shardlab.report import RunReport, production_metrics
-from shardlab.steptime import (PLANS, Machine, exposed_seconds, matmul_rate,
-                               planned_collectives, predict_step)
+from shardlab.rates import matmul_rate
+from shardlab.steptime import PLANS, Machine, exposed_seconds, planned_collectives, predict_step
 
 MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)
 WORLD = 4

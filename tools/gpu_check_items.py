@@ -38,7 +38,7 @@ from shardlab.config import TrainConfig
 from shardlab.deepspeed_ref.setup import deepspeed_missing
 from shardlab.gpu_record import MemoryExperiment, datasheet_bf16_peak, memory_run
 from shardlab.models import build_model, get_batch, loss_fn
-from shardlab.steptime import compute_rate, matmul_rate
+from shardlab.rates import compute_rate, matmul_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 Save = Callable[[Any], None]

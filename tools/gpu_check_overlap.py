@@ -35,7 +35,7 @@ def gemm_beside(start_traffic, gemm_n: int, repeats: int, device: torch.device,
 
     `start_traffic()` starts the traffic without waiting for it and returns a handle with
     `is_completed()` and `wait()` (a collective's work, or a CUDA event's wrapper).
-    `hiding` = (C + M - T) / min(C, M), as `shardlab.steptime.hiding_fraction` defines it:
+    `hiding` = (C + M - T) / min(C, M), as `shardlab.rates.hiding_fraction` defines it:
     1 where the traffic costs the GEMMs nothing, 0 where nothing overlaps. `gemm_tax` is
     how much longer the GEMMs took beside the traffic, `traffic_tax` the same of it."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

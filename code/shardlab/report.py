@@ -31,7 +31,7 @@ timestamps the run recorded (never from an assumed bandwidth):
   datasheet peak: on a CPU, or on a GPU the course has no figure for;
 * **matmul utilization**: the same FLOPs per second as a share of the matmul rate this
   rank measured on the model's own shapes at the start of the run
-  (`steptime.matmul_rate`; on a shared CPU, the rank's share of the cores). Not MFU: a
+  (`rates.matmul_rate`; on a shared CPU, the rank's share of the cores). Not MFU: a
   measured rate sits below the datasheet's peak, so this share is larger than the MFU of
   the same run, and it compares with no published MFU. It is what a CPU run can report;
 * **peak allocated** memory of the last step, and **peak reserved** on CUDA (what the
@@ -107,7 +107,7 @@ class RunReport:
     # The model's FLOPs in this rank's step (6 Ψ T), and the two rates they are divided
     # by: the datasheet's peak of this rank's GPU in the matmuls' dtype (MFU; 0 where
     # none is known: a CPU) and this rank's matmul rate on the model's shapes, measured
-    # at the run's start (matmul utilization; `steptime.matmul_rate`)
+    # at the run's start (matmul utilization; `rates.matmul_rate`)
     model_flops_per_step: float = 0.0
     peak_flops: float = 0.0
     matmul_flops: float = 0.0

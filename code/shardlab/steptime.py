@@ -3,8 +3,8 @@ what of the communication the strategy's schedule leaves exposed.
 
     compute         forward 2ΨT/F, backward 4ΨT/F (6ΨT for the step), T tokens per rank,
                     F the rate this machine reaches on the model's own forward and
-                    backward with all ranks running (`compute_rate`; the matmul rate
-                    `matmul_rate` is its ceiling on this machine);
+                    backward with all ranks running (`rates.compute_rate`; the matmul rate
+                    `rates.matmul_rate` is its ceiling on this machine);
                     the optimizer step: AdamW over the tensors the slowest rank steps,
                     as the strategy lays them out, per element and per tensor
                     (`shardlab.stepparts`: one flat shard costs less than Ψ/N
@@ -21,7 +21,7 @@ what of the communication the strategy's schedule leaves exposed.
 A collective hides behind compute only as well as the machine lets it: `hiding` is the
 share of an overlapped collective's time that does not come back as slower compute. It is
 a measured number, never assumed. On a CPU gloo's copies run on the cores that compute;
-`hiding_fraction` measures it. On a GPU communication is not free either: NCCL's ring and
+`rates.hiding_fraction` measures it. On a GPU communication is not free either: NCCL's ring and
 tree collectives are CUDA kernels, each channel one CTA (thread block) on an SM, reading
 and writing the same HBM as the matmuls beside them (NCCL user guide, environment
 variables NCCL_MIN_CTAS / NCCL_MAX_CTAS and `ncclConfig_t`'s minCTAs / maxCTAs, which
@@ -32,21 +32,20 @@ GPU run measures it. `gpu_machine` therefore takes `hiding` explicitly, and refu
 guess.
 
 `predict_step(strategy, model, world, options, machine, tokens=...)` is the model;
-`Machine` holds what it needs of the machine, measured by `compute_rate`,
-`stepparts.optimizer_costs`, `stepparts.collective_costs_in_step`, `hiding_fraction` and
+`Machine` holds what it needs of the machine, measured by `rates.compute_rate`,
+`stepparts.optimizer_costs`, `stepparts.collective_costs_in_step`, `rates.hiding_fraction` and
 `comm.fit_alpha_beta` (`shardlab.workers.measure_machine` runs them on every rank).
 
 The FLOPs of a step are counted as 6Ψ per token, Ψ the trainable parameters embeddings
 included (each tied weight once), with attention's score and value matmuls left out:
 `model_flops_per_token` adds PaLM's 12·L·d·s for them when asked. MFU, those FLOPs per
 second over a GPU's *datasheet* peak (`datasheet_peak`), is what `shardlab.report` prints;
-`matmul_rate` is a different denominator, this machine's measured matmul rate.
+`rates.matmul_rate` is a different denominator, this machine's measured matmul rate.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -57,7 +56,7 @@ from shardlab import hardware
 from shardlab.cards import CARDS, StrategyCard
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
-from shardlab.stepparts import InStepCost, OptimizerCosts, median_seconds, optimizer_seconds
+from shardlab.stepparts import InStepCost, OptimizerCosts, optimizer_seconds
 from shardlab.units import MiB
 from shardlab.wrap import unit_modules
 
@@ -72,7 +71,7 @@ class Machine:
     beta: float                    # bytes/s of one ring round (α-β fit)
     adam_seconds: float            # AdamW's seconds per parameter stepped
     hiding: float                  # share of overlapped communication that is hidden:
-                                   # measured (`hiding_fraction`), never a default
+                                   # measured (`rates.hiding_fraction`), never a default
     gloo: bool = True              # gloo's algorithms: reduce-scatter as an all-reduce,
                                    # broadcast as a binomial tree
     adam_tensor_seconds: float = 0.0    # what AdamW adds per tensor it steps, and per
@@ -418,140 +417,3 @@ def datasheet_peak(device: torch.device | str, param_dtype: torch.dtype) -> floa
         return None
     peak = hardware.peak_flops(torch.cuda.get_device_name(device), matmul_dtype(param_dtype))
     return None if peak is None else peak.value
-
-
-def matmul_rate(model: nn.Module, tokens: int, repeats: int = 3,
-                device: torch.device | str = "cpu") -> float:
-    """FLOP/s of this process on the model's own matmuls: `tokens` rows through each
-    distinct `nn.Linear` shape (a square 256 matmul for a model with none), the median of
-    `repeats` timings. Milliseconds for the course's models: cheap enough for every run.
-    Not MFU's denominator (a datasheet peak is): the run's FLOP/s over this rate is its
-    "matmul utilization", the share of what this machine reaches on these shapes."""
-    shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
-                     if isinstance(m, nn.Linear)}) or [(256, 256)]
-    tokens = max(1, int(tokens))
-    device = torch.device(device)
-    flops, seconds = 0.0, 0.0
-
-    def synchronized(run):
-        def timed():
-            run()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return timed
-
-    # its own generator: the process's is left alone (ranks that are threads of one
-    # process build their models from it, `shardlab.many_ranks.threads`)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for n_in, n_out in shapes:
-            x = torch.randn(tokens, n_in, device=device, generator=generator)
-            w = torch.randn(n_out, n_in, device=device, generator=generator)
-            synchronized(lambda: x @ w.T)()  # warm-up
-            seconds += median_seconds(synchronized(lambda: x @ w.T), repeats)
-            flops += 2 * tokens * n_in * n_out
-    return flops / seconds if seconds > 0 else math.inf
-
-
-def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
-                 repeats: int = 3) -> float:
-    """FLOP/s this process reaches on the model itself, counted as 6ΨT: the median time of
-    a forward and a backward over `x` (T tokens), with no communication. Below the matmul
-    rate by everything that is not a matmul (norms, softmax, the loss, autograd's own work):
-    the rate the step-time model divides 6ΨT by."""
-    return compute_rates({"model": model}, x, y, loss_fn, repeats)["model"]
-
-
-def compute_rates(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, loss_fn,
-                  repeats: int = 3, between: Callable[[], None] = lambda: None
-                  ) -> dict[str, float]:
-    """`compute_rate` of each of `models`, timed in turn, one forward and backward of each
-    a round, `repeats` rounds (`between()` runs before each timing: a barrier, for ranks
-    that time together), so that a noisy moment of a shared machine hits them alike."""
-    def forward_backward(model):
-        def run():
-            loss_fn(model(x), y).backward()
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
-        return run
-
-    runs = {label: forward_backward(model) for label, model in models.items()}
-    for run in runs.values():  # warm-up: a fresh process's first runs fault pages in
-        run()
-        run()
-    times: dict[str, list[float]] = {label: [] for label in models}
-    for _ in range(repeats):
-        for label, run in runs.items():
-            between()
-            times[label].append(median_seconds(run, 1))
-    rates = {}
-    for label, model in models.items():
-        model.zero_grad(set_to_none=True)
-        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        rates[label] = 6 * psi * x.numel() / statistics.median(times[label])
-    return rates
-
-
-def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,
-                    device: torch.device | str = "cpu") -> float:
-    """Run on every rank of a group: the share of an all-reduce's time that compute
-    running meanwhile hides, the median of `hiding_shares`' rounds."""
-    return statistics.median(hiding_shares(numel, repeats, device))
-
-
-def hiding_shares(numel: int = 1 << 20, repeats: int = 3,
-                  device: torch.device | str = "cpu") -> list[float]:
-    """Run on every rank of a group: the share of an all-reduce's time that compute
-    running meanwhile hides, (C + M - T) / min(C, M), with C matmuls alone, M the
-    all-reduce alone and T both at once. Below 1 wherever communication and compute share
-    something: the cores (gloo on a CPU), or SMs and memory bandwidth (NCCL's kernels on a
-    GPU, where it is measured by the GPU check, not assumed). One share a round, for
-    `repeats` rounds, each timing the three in turn. On a shared CPU one round's share
-    can be anything from 0 to 1, and rounds taken together agree with each other more
-    than with rounds taken a second later: take the median of rounds from several
-    moments (`workers.measure_machine` does)."""
-    import torch.distributed as dist
-    device = torch.device(device)
-    x = torch.ones(numel, device=device)
-    a = torch.randn(256, 256, device=device)
-
-    def done():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def communicate():
-        dist.all_reduce(x)
-        done()
-
-    communicate()
-    dist.barrier()
-    comm_alone = median_seconds(communicate, repeats)
-
-    def one_matmul():
-        a @ a
-        done()
-
-    matmuls = max(1, int(comm_alone / max(median_seconds(one_matmul, 3), 1e-6)))
-
-    def compute():
-        for _ in range(matmuls):
-            a @ a
-        done()
-
-    def both():
-        handle = dist.all_reduce(x, async_op=True)
-        compute()
-        handle.wait()
-        done()
-
-    # the three timed in turn, a round at a time: one round's share each, and their
-    # median, so that a noisy moment of a shared machine spoils a round, not the figure
-    shares = []
-    for _ in range(repeats):
-        timed = []
-        for run in (compute, communicate, both):
-            dist.barrier()
-            timed.append(median_seconds(run, 1))
-        c, m, t = timed
-        shares.append(min(1.0, max(0.0, (c + m - t) / min(c, m))))
-    return shares

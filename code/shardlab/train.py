@@ -56,7 +56,8 @@ from shardlab.optimizers import optimizer_spec
 from shardlab.precision import get_precision
 from shardlab.report import RunReport
 from shardlab.step import train_step
-from shardlab.steptime import datasheet_peak, matmul_rate
+from shardlab.rates import matmul_rate
+from shardlab.steptime import datasheet_peak
 from shardlab.strategy import Wrapped, get_strategy, named_full_parameters
 from shardlab.wrap import describe, recompute_units
 

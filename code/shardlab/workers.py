@@ -343,7 +343,8 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
-    from shardlab.steptime import Machine, compute_rates, hiding_shares
+    from shardlab.rates import compute_rates, hiding_shares
+    from shardlab.steptime import Machine
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     x, y = (t.to(device) for t in get_batch(0, rank, world, batch_size, seq_len))
