@@ -43,10 +43,11 @@ for version in "${versions[@]}"; do
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
         rm -rf "$venv"
         python3 -m venv "$venv"
-        "$venv/bin/pip" install -q "torch==$version"
+        # no cache: the wheels would otherwise be kept a second time beside the venv
+        "$venv/bin/pip" install -q --no-cache-dir "torch==$version"
     fi
     # (quick when they are there already) the dependencies and the test tools
-    "$venv/bin/pip" install -q "${DEPENDENCIES[@]}" pytest pytest-timeout nbformat
+    "$venv/bin/pip" install -q --no-cache-dir "${DEPENDENCIES[@]}" pytest pytest-timeout nbformat
     $install_only && continue
     echo "== parity tests under torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
     # this checkout's code, not an installed copy
