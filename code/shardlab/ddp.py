@@ -186,13 +186,14 @@ class GradBucket:
 
 
 def make_buckets(params: list[nn.Parameter], bucket_mb: float,
-                 first_bucket_mb: float) -> list[GradBucket]:
+                 first_bucket_mb: float | None = None) -> list[GradBucket]:
     """Group parameters into buckets of about `bucket_mb` MB in reverse registration
-    order, one dtype per bucket (`shardlab.buckets`, as ZeRO's). The first bucket is
-    smaller (`first_bucket_mb`), so the first all-reduce starts early in backward, as
-    PyTorch's DDP does."""
+    order, one dtype per bucket (`shardlab.buckets`, as ZeRO's). The first bucket may be
+    smaller (`first_bucket_mb`), so that the first all-reduce starts earlier in backward;
+    None: the same cap as the others."""
+    first = None if first_bucket_mb is None else first_bucket_mb * MiB
     return [GradBucket(members) for members in
-            fill_in_backward_order(params, bucket_mb * MiB, first_bucket_mb * MiB)]
+            fill_in_backward_order(params, bucket_mb * MiB, first)]
 
 
 class BucketedDataParallel(_DataParallel):
@@ -204,21 +205,34 @@ class BucketedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float | None = None):
         super().__init__(module)
         self.buckets = make_buckets(self.params, bucket_mb, first_bucket_mb)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.inverse_world = 1.0 / self.world
         self.next_to_start = 0
 
     def grad_ready(self, param: nn.Parameter) -> None:
         bucket = self.bucket_of[param]
+        if param in bucket.ready:  # its bucket may be on the wire already
+            raise RuntimeError(
+                "a parameter's gradient was accumulated twice in one backward (used both "
+                "inside and outside a reentrant activation checkpoint?); DDP averages each "
+                "gradient once a backward: use use_reentrant=False, as PyTorch's DDP asks "
+                "(its 'Expected to mark a variable ready only once')")
         slot = bucket.slots[param]
+        # The average's 1/N is applied on the way into the bucket, not as a pass over the
+        # bucket after: one read and one write of each gradient byte fewer (PyTorch's
+        # reducer multiplies by 1/N in the same copy, `Reducer::mark_variable_ready_dense`
+        # in torch/csrc/distributed/c10d/reducer.cpp).
         if param.grad.data_ptr() != slot.data_ptr():
             # First backward after zero_grad(set_to_none=True), or after no_sync: the
             # gradient is a fresh tensor. Move it into the bucket and make .grad a view
             # of it, so the all-reduced bucket *is* the gradient (no copy back).
-            slot.copy_(param.grad)
+            torch.mul(param.grad, self.inverse_world, out=slot)
             param.grad = slot
+        else:  # accumulated in place into the bucket since the last step
+            slot.mul_(self.inverse_world)
         bucket.ready.add(param)
         self._start_ready_buckets()
 
@@ -232,7 +246,6 @@ class BucketedDataParallel(_DataParallel):
     def _start(self, bucket: GradBucket) -> None:
         index = self.next_to_start
         trace.mark("all-reduce", index)
-        bucket.buffer.div_(self.world)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_start += 1
         bucket.timed = trace.end_when_done(bucket.work, "all-reduce", index)
@@ -280,10 +293,16 @@ def wrap_ddp_naive(model: nn.Module, precision: Precision, optimizer: OptimizerS
 
 def wrap_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
              options: dict) -> Wrapped:
+    # No smaller first bucket unless asked for: PyTorch's DDP makes its first bucket 1 MiB
+    # only when `bucket_cap_mb` is left unset (`_BucketCapacityConfig.create` in
+    # torch/nn/parallel/distributed.py), and a small first cap, with the cut made before a
+    # parameter would pass it, can leave a bucket of a few hundred elements (gpt-small's
+    # final LayerNorm) that pays a whole collective's fixed cost.
     opts = check_options("ddp", options, {"bucket_mb": DEFAULT_BUCKET_MB,
-                                          "first_bucket_mb": 1.0})
+                                          "first_bucket_mb": None})
+    first = opts["first_bucket_mb"]
     return _wrap_ours(model, precision, optimizer, BucketedDataParallel,
-                      float(opts["bucket_mb"]), float(opts["first_bucket_mb"]))
+                      float(opts["bucket_mb"]), None if first is None else float(first))
 
 
 def wrap_torch_ddp(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
@@ -317,7 +336,7 @@ def timeline_worker(model: str = "gpt-small", version: str = "bucketed",
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     module = build_model(model).to(device)
-    ddp = (BucketedDataParallel(module, bucket_mb, first_bucket_mb=bucket_mb)
+    ddp = (BucketedDataParallel(module, bucket_mb)
            if version == "bucketed" else NaiveDataParallel(module))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
 

@@ -214,10 +214,11 @@ def _buckets(nbytes: int, first_mb: float, mb: float) -> list[int]:
 
 
 def _ddp_buckets(model, params, options, bytes_per_elem):
-    """DDP's buckets, all-reduced: the first `first_bucket_mb`, then `bucket_mb`."""
+    """DDP's buckets of `bucket_mb`, all-reduced (the first of `first_bucket_mb` if set)."""
     total = sum(p.numel() for p in params) * bytes_per_elem
-    return [("all_reduce", b) for b in _buckets(total, options.get("first_bucket_mb", 1.0),
-                                                options.get("bucket_mb", 25.0))]
+    mb = options.get("bucket_mb", 25.0)
+    first = options.get("first_bucket_mb")
+    return [("all_reduce", b) for b in _buckets(total, mb if first is None else first, mb)]
 
 
 def _ddp_buckets_then_broadcasts(model, params, options, bytes_per_elem):
@@ -233,10 +234,13 @@ def _per_parameter(model, params, options, bytes_per_elem):
 
 
 def _zero_buckets(model, params, options, bytes_per_elem):
-    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered, then all-gathered."""
+    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered; the updated parameters
+    all-gathered bucket by bucket when overlapped, else in one collective
+    (`shardlab.zero.gather`)."""
     mb = options.get("bucket_mb", 25.0)
     zero = _buckets(sum(p.numel() for p in params) * bytes_per_elem, mb, mb)
-    return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in zero]
+    gathers = zero if options.get("overlap_all_gather", True) else [sum(zero)]
+    return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in gathers]
 
 
 def _units(model, params, options, bytes_per_elem):

@@ -58,7 +58,6 @@ STEP_COUNTER = 4             # Adam's `step`: one fp32 scalar per tensor it step
 ALL = "all"                  # the link of a strategy with one process group
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "hsdp")
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
-DDP_FIRST_BUCKET_MB = 1.0    # the course's DDP makes its first bucket small, as PyTorch's
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,8 @@ def units(model: nn.Module, policy="auto") -> list[list[nn.Parameter]]:
 
 
 def _flat_buckets(model: nn.Module, world: int, stage: int, options: dict) -> RankBytes:
-    first = DDP_FIRST_BUCKET_MB if stage == 0 else None
-    sizes = bucket_numels(model, options.get("first_bucket_mb", first),
+    first = options.get("first_bucket_mb") if stage == 0 else None
+    sizes = bucket_numels(model, first,
                           options.get("bucket_mb", DEFAULT_BUCKET_MB))
     sent = sum(ring_sent("all_reduce", n, world) for n in sizes)  # RS + AG: the same bytes
     frozen = PARAM * sum(p.numel() for p in model.parameters() if not p.requires_grad)

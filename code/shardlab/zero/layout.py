@@ -39,7 +39,8 @@ def padded_size(numel: int, world: int) -> int:
 @dataclass(frozen=True, eq=False)
 class Bucket:
     """Whole parameters of one group, contiguous in the group's flat buffer, padded to a
-    multiple of N: the unit of communication (one reduce-scatter, one all-gather)."""
+    multiple of N: the unit of communication (one reduce-scatter; one all-gather when
+    the all-gather is overlapped, `shardlab.zero.gather`)."""
 
     group: int                          # the parameter group it belongs to
     index: int                          # its place in the group, in model order
