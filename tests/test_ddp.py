@@ -176,8 +176,10 @@ def test_each_rank_holds_16_psi_and_sends_2_psi_per_step(world):
                 if config.strategy == "ddp-naive":
                     n_tensors = sum(1 for _ in build_model(config.model).parameters())
                     assert all_reduce["calls"] == n_tensors
-                elif config.strategy == "ddp":
-                    assert all_reduce["calls"] == 1  # 0.23 MB fits one bucket
+                elif config.strategy == "ddp" or step > 0:
+                    # 0.23 MB fits one bucket, in ours and in PyTorch's once it has
+                    # rebuilt its buckets: no smaller first bucket given a bucket_cap_mb
+                    assert all_reduce["calls"] == 1, (config.strategy, step)
 
 
 def wrap_time_checks():
