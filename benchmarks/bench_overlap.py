@@ -4,7 +4,8 @@
 
 Without overlap, ZeRO-1/2 all-gather the updated parameters after the optimizer step,
 with nothing to compute meanwhile: the whole step waits for it. With
-`overlap_all_gather` (the default) each bucket's all-gather starts as soon as its chunk
+`overlap_all_gather=True` (the default on NCCL; "auto" leaves it off on gloo, as this
+benchmark measures why) each bucket's all-gather starts as soon as its chunk
 is stepped and is waited for by the next forward, module by module.
 
 For each world size, one launch runs every case `--reps` times, interleaved (each

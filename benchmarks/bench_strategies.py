@@ -7,7 +7,11 @@ Each repetition runs every strategy once, in turn (so a slow minute on a shared 
 hits all of them alike; with `--worlds`, every strategy at every world size), with memory
 tracking and the ledger off; the step time of a run is the slowest rank's median step (a
 step ends when every rank has its gradients) over the steps after the first `--warmup`
-ones and before the last, and a strategy's time is the median over repetitions. A fresh
+ones and before the last, and a strategy's time is the median over repetitions. Its ratio
+to its reference is the median of the ratios within each repetition, where the two ran one
+after the other (the order of the runs is reversed every other repetition): the pairs are
+what interleaving makes comparable, where the medians of the two columns can come from
+different moments of a shared machine. A fresh
 process takes a few steps to settle: its allocator has not yet kept the pages that each
 step's short-lived buffers reuse, so the first steps fault them in again (measured on
 `zero2` with 2^20-element buckets, the 4 ranks' minor page faults by `getrusage`: about
@@ -77,11 +81,14 @@ def parse_options(items: list[str]) -> dict[str, dict]:
 
 
 def rows_of(strategies, references, times, measured) -> dict[str, dict]:
-    """One world's table as the results file keeps it (ms to 0.1, ratios and MiB to 0.01)."""
+    """One world's table as the results file keeps it (ms to 0.1, ratios and MiB to 0.01):
+    a ratio is the median over repetitions of ours / theirs in the same repetition, with
+    the least and the most of those ratios."""
     median = {s: statistics.median(t) for s, t in times.items()}
     rows = {}
     for s in strategies:
         ref = references.get(s)
+        pairs = [a / b for a, b in zip(times[s], times[ref])] if ref in median else None
         r0 = measured[s][0]
         state = r0.state_bytes
         rows[s] = {
@@ -89,7 +96,9 @@ def rows_of(strategies, references, times, measured) -> dict[str, dict]:
             "min_ms": round(1e3 * min(times[s]), 1),
             "max_ms": round(1e3 * max(times[s]), 1),
             "reference": ref if ref in median else None,
-            "ratio": round(median[s] / median[ref], 2) if ref in median else None,
+            "ratio": round(statistics.median(pairs), 2) if pairs else None,
+            "ratio_min": round(min(pairs), 2) if pairs else None,
+            "ratio_max": round(max(pairs), 2) if pairs else None,
             "params_mib": round(state["params"] / MIB, 2),
             "grads_mib": round(state["grads"] / MIB, 2),
             "optimizer_mib": round(state["optimizer"] / MIB, 2),
@@ -101,15 +110,17 @@ def rows_of(strategies, references, times, measured) -> dict[str, dict]:
 def print_table(title: str, rows: dict[str, dict]) -> None:
     print(f"\n{title}")
     head = (f"{'strategy':<16} {'step ms':>8} {'min-max ms':>13} {'reference':>16} "
-            f"{'ratio':>6} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} "
+            f"{'ratio':>6} {'min-max':>10} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} "
             f"{'peak MiB':>9} {'sent MiB/step':>14}")
     print(head)
     print("-" * len(head))
     for s, r in rows.items():
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        ratios = (f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if r["ratio"] is not None
+                  else "-")
         spread = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}"
         print(f"{s:<16} {r['step_ms']:>8.1f} {spread:>13} {r['reference'] or '-':>16} "
-              f"{ratio:>6} {r['params_mib']:>11.2f} {r['grads_mib']:>10.2f} "
+              f"{ratio:>6} {ratios:>10} {r['params_mib']:>11.2f} {r['grads_mib']:>10.2f} "
               f"{r['optimizer_mib']:>10.2f} {r['peak_mib']:>9.2f} "
               f"{r['sent_mib_per_step']:>14.2f}")
 
@@ -160,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     load = {"start": [round(x, 2) for x in os.getloadavg()]}
     times: dict[tuple, list[float]] = {key: [] for key in configs}
     for rep in range(args.reps):
-        for key, config in configs.items():
+        in_turn = list(configs.items())
+        for key, config in (in_turn if rep % 2 == 0 else in_turn[::-1]):
             times[key].append(step_time(run(config, backend=args.backend), args.warmup))
         print(f"repetition {rep + 1}/{args.reps}: " + ", ".join(
             f"{s} ({w} ranks) {1e3 * t[-1]:.1f} ms" for (w, s), t in times.items()),

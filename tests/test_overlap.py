@@ -129,10 +129,10 @@ def test_without_overlap_the_all_gathers_follow_the_whole_step():
 
 
 def test_bucket_mb_is_bytes_and_bucket_numel_elements():
-    """Defaults: 25 MB buckets (gpt-tiny's 0.46 MB of fp32 is one bucket), overlap on.
-    A size in MB makes the same buckets as the same size in elements of the dtype: fp32
-    4 bytes, bf16 2 bytes."""
-    assert ZERO_OPTIONS["bucket_mb"] == 25.0 and ZERO_OPTIONS["overlap_all_gather"] is True
+    """Defaults: 25 MB buckets (gpt-tiny's 0.46 MB of fp32 is one bucket), overlap "auto":
+    off on gloo, so one all-gather for all the buckets. A size in MB makes the same
+    buckets as the same size in elements of the dtype: fp32 4 bytes, bf16 2 bytes."""
+    assert ZERO_OPTIONS["bucket_mb"] == 25.0 and ZERO_OPTIONS["overlap_all_gather"] == "auto"
     base = TrainConfig(strategy="zero1", world=2, steps=2, measure_memory=False)
     mb = SMALL * 4 / 2**20
     configs = [base, replace(base, options={"bucket_mb": mb}),
@@ -140,9 +140,13 @@ def test_bucket_mb_is_bytes_and_bucket_numel_elements():
                replace(base, precision="bf16-mixed", options={"bucket_mb": mb / 2})]
     default, by_mb, by_numel, bf16 = launch(train_many, 2, configs)[0]
 
-    def gathers(report):
-        return [r.numel for r in report.ledger if r.step == 1 and r.op == "all_gather"]
+    def calls(report, op):
+        return [r.numel for r in report.ledger if r.step == 1 and r.op == op]
 
-    assert len(gathers(default)) == 1
-    assert len(gathers(by_mb)) > 2
-    assert gathers(by_mb) == gathers(by_numel) == gathers(bf16)
+    assert len(calls(default, "reduce_scatter")) == len(calls(default, "all_gather")) == 1
+    assert len(calls(by_mb, "reduce_scatter")) > 2  # a reduce-scatter per bucket
+    assert calls(by_mb, "reduce_scatter") == calls(by_numel, "reduce_scatter") \
+        == calls(bf16, "reduce_scatter")
+    # gloo: "auto" does not overlap, and the buckets are gathered in one collective
+    assert len(calls(by_mb, "all_gather")) == 1
+    assert calls(by_mb, "all_gather") == [sum(calls(by_mb, "reduce_scatter"))]

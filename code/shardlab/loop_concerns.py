@@ -103,6 +103,8 @@ class Measurement:
         start = time.perf_counter()
         with profiler as profiled, limit as limit_watch, tracker as watch.tracked:
             yield watch
+            if profiled is not None:
+                self.wrapped.settle()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step_times.append(time.perf_counter() - start)

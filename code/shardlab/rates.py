@@ -14,6 +14,7 @@ import statistics
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab.stepparts import median_seconds
@@ -62,11 +63,15 @@ def compute_rate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
 
 
 def compute_rates(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, loss_fn,
-                  repeats: int = 3, between: Callable[[], None] = lambda: None
+                  repeats: int = 3, between: Callable[[], None] = lambda: None,
+                  slowest: Callable[[float], float] = lambda seconds: seconds
                   ) -> dict[str, float]:
     """`compute_rate` of each of `models`, timed in turn, one forward and backward of each
     a round, `repeats` rounds (`between()` runs before each timing: a barrier, for ranks
-    that time together), so that a noisy moment of a shared machine hits them alike."""
+    that time together), so that a noisy moment of a shared machine hits them alike.
+    `slowest(seconds)` turns this rank's time of a round into the one that counts: for
+    ranks that start together, the slowest rank's (`slowest_rank`), since a synchronous
+    step waits for it at its first collective."""
     def forward_backward(model):
         def run():
             loss_fn(model(x), y).backward()
@@ -82,13 +87,24 @@ def compute_rates(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor
     for _ in range(repeats):
         for label, run in runs.items():
             between()
-            times[label].append(median_seconds(run, 1))
+            times[label].append(slowest(median_seconds(run, 1)))
     rates = {}
     for label, model in models.items():
         model.zero_grad(set_to_none=True)
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         rates[label] = 6 * psi * x.numel() / statistics.median(times[label])
     return rates
+
+
+def slowest_rank(seconds: float) -> float:
+    """The longest of every rank's `seconds` (a collective: every rank calls it). Ranks
+    that share a CPU finish the same work apart (the scheduler runs some before others),
+    and the step of a synchronous strategy goes at the pace of the last to finish: the
+    time the report counts as idle on the others."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def hiding_fraction(numel: int = 1 << 20, repeats: int = 3,

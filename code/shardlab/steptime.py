@@ -235,11 +235,11 @@ def _per_parameter(model, params, options, bytes_per_elem):
 
 def _zero_buckets(model, params, options, bytes_per_elem):
     """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered; the updated parameters
-    all-gathered bucket by bucket when overlapped, else in one collective
-    (`shardlab.zero.gather`)."""
+    all-gathered bucket by bucket when overlapped (as on NCCL, where "auto" is left
+    undecided: `with_overlap_decided`), else in one collective (`shardlab.zero.gather`)."""
     mb = options.get("bucket_mb", 25.0)
     zero = _buckets(sum(p.numel() for p in params) * bytes_per_elem, mb, mb)
-    gathers = zero if options.get("overlap_all_gather", True) else [sum(zero)]
+    gathers = zero if options.get("overlap_all_gather", "auto") else [sum(zero)]
     return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in gathers]
 
 
@@ -327,6 +327,25 @@ def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> floa
     return out
 
 
+def overlaps_beside_compute(backend: str) -> bool:
+    """Whether `backend`'s collectives run beside the compute, so that starting one early
+    hides it: NCCL's kernels run on CUDA streams of their own; gloo's on CPU threads that
+    share the cores with the compute. Measured here (`benchmarks/bench_overlap.py`, the
+    README): ZeRO-1/2 with their all-gathers overlapped bucket by bucket took 1.18-1.19x
+    their step with one all-gather after the step, on 4 gloo ranks of a 2-core CPU, and
+    1.01-1.02x on 2. What `overlap_all_gather="auto"`, ZeRO-1/2's default, follows."""
+    return backend == "nccl"
+
+
+def with_overlap_decided(strategy: str, options: dict, backend: str) -> dict:
+    """`options` with the strategy's all-gather overlap option (its card's
+    `gather_overlap_option`) decided for `backend` where it is left to "auto"."""
+    overlap = CARDS[strategy].gather_overlap_option if strategy in CARDS else None
+    if overlap is None or options.get(overlap, "auto") != "auto":
+        return options
+    return {**options, overlap: overlaps_beside_compute(backend)}
+
+
 def predict_step(strategy: str, model: nn.Module, world: int, options: dict | None,
                  machine: Machine, *, tokens: int,
                  ledger: Iterable[CollectiveRecord] | None = None,
@@ -340,7 +359,8 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     if world < 1 or tokens < 1:
         raise ValueError(f"need world >= 1 and tokens >= 1, got world={world}, "
                          f"tokens={tokens}")
-    options = dict(options or {})
+    options = with_overlap_decided(strategy, dict(options or {}),
+                                   "gloo" if machine.gloo else "nccl")
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if strategy_card.optimizer_layout is not None:
         optimizer = optimizer_seconds(strategy, model, world, OptimizerCosts(

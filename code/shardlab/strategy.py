@@ -186,6 +186,10 @@ class Wrapped:
     # What to do once a checkpoint wrote this rank's pieces (ZeRO-1/2 all-gather the
     # parameters every rank needs whole).
     after_load: Callable[[], None] = lambda: None
+    # Wait for the collectives a step leaves in flight (ZeRO-1/2's overlapped all-gathers,
+    # waited for in the next forward): the loop calls it before its profiler stops, since
+    # a collective that completes after the profiler has stopped ends a record of it.
+    settle: Callable[[], None] = lambda: None
     # Objects besides model and optimizer whose `state_tensors()` are model state this
     # rank holds (a sharded model's unreduced gradients under no_sync).
     extra_state: tuple[Any, ...] = ()

@@ -343,7 +343,7 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
 
     from shardlab.models import build_model, get_batch, loss_fn
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
-    from shardlab.rates import compute_rates, hiding_shares
+    from shardlab.rates import compute_rates, hiding_shares, slowest_rank
     from shardlab.steptime import Machine
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
@@ -351,10 +351,12 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     # the hiding share's rounds are taken at three moments, between the other figures:
     # on a shared CPU rounds taken together agree with each other more than with later ones
     shares = hiding_shares(repeats=repeats, device=device)
-    # every rank times its models together, in turn, a round at a time
+    # every rank times its models together, in turn, a round at a time; a round counts
+    # at its slowest rank's time, the pace of a synchronous step
     rates = compute_rates({label: build_model(name, 0, config).to(device)
                            for label, (name, config) in models.items()},
-                          x, y, loss_fn, repeats=repeats, between=dist.barrier)
+                          x, y, loss_fn, repeats=repeats, between=dist.barrier,
+                          slowest=slowest_rank)
     dist.barrier()
     adam = optimizer_costs(repeats=repeats, device=device,
                            mesh=init_device_mesh(device.type, (world,)))
@@ -414,7 +416,8 @@ def strategy_work(strategies: list[str], machine, rows: int = 8,
     from shardlab.precision import get_precision
     from shardlab.step import train_step
     from shardlab.stepparts import median_seconds
-    from shardlab.steptime import collective_seconds_on_machine, planned_collectives
+    from shardlab.steptime import (collective_seconds_on_machine, planned_collectives,
+                                   with_overlap_decided)
     from shardlab.strategy import get_strategy
     if not strategies:
         return {}, {}
@@ -442,8 +445,9 @@ def strategy_work(strategies: list[str], machine, rows: int = 8,
         return lambda: train_step(wrapped, [(x, y)])
 
     def collectives(name: str, model: nn.Module, options: dict) -> float:
+        decided = with_overlap_decided(name, options, dist.get_backend())
         return sum(collective_seconds_on_machine(op, nbytes, world, machine)
-                   for op, nbytes in planned_collectives(name, model, world, options))
+                   for op, nbytes in planned_collectives(name, model, world, decided))
 
     per_tensor, per_unit = [], []
     for name in strategies:

@@ -2,7 +2,9 @@
 flat buffers, at once or overlapped with the next forward.
 
 Done plainly, the all-gather runs after the optimizer step with nothing to hide behind:
-the whole step waits for it. With `overlap_all_gather` (the default) it is hidden, as
+the whole step waits for it, and it is one collective for all the buckets. With
+`overlap_all_gather` (by default where the backend's collectives run beside the compute:
+NCCL, not gloo, `steptime.overlaps_beside_compute`) it is hidden, as
 Megatron-LM's distributed optimizer hides it: the step updates the buckets one by one in
 forward order and starts each bucket's all-gather as soon as its chunk is updated,
 without waiting (it runs while the next buckets are stepped); a hook before each module's

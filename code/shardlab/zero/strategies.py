@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab.buckets import DEFAULT_BUCKET_MB
 from shardlab.optimizers import OptimizerSpec, WholeMatrixSpec
 from shardlab.precision import Precision
+from shardlab.steptime import overlaps_beside_compute
 from shardlab.strategy import (Wrapped, cast_model, check_options, check_same_on_all_ranks,
                                named_full_parameters)
 from shardlab.zero.layout import check_bucket_mb, check_bucket_numel
@@ -26,8 +28,11 @@ ZERO_OPTIONS: dict[str, Any] = {
     "bucket_mb": DEFAULT_BUCKET_MB,
     # The same size in elements instead (the earlier spelling); give one or the other.
     "bucket_numel": None,
-    # Hide the parameters' all-gather behind the optimizer step and the next forward.
-    "overlap_all_gather": True,
+    # Hide the parameters' all-gather behind the optimizer step and the next forward, one
+    # all-gather per bucket (True), or gather them all in one after the step (False).
+    # "auto": where the backend's collectives run beside the compute, NCCL, not gloo
+    # (`steptime.overlaps_beside_compute`, measured by benchmarks/bench_overlap.py).
+    "overlap_all_gather": "auto",
     # None (one group: all trainable parameters) or a function model -> parameter groups
     # (a list of dicts, as for any torch.optim optimizer).
     "param_groups": None,
@@ -44,13 +49,16 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
         check_bucket_numel(opts["bucket_numel"])
     else:
         check_bucket_mb(opts["bucket_mb"])
-    if not isinstance(opts["overlap_all_gather"], bool):
-        raise ValueError(f"overlap_all_gather must be True or False, got "
+    if not (isinstance(opts["overlap_all_gather"], bool) or opts["overlap_all_gather"] == "auto"):
+        raise ValueError(f"overlap_all_gather must be True, False or \"auto\", got "
                          f"{opts['overlap_all_gather']!r}")
     if opts["param_groups"] is not None and not callable(opts["param_groups"]):
         raise ValueError(f"param_groups must be None or a function model -> list of "
                          f"parameter groups, got {type(opts['param_groups']).__name__}")
     check_same_on_all_ranks(list(model.named_parameters()))
+    overlap = opts["overlap_all_gather"]
+    if overlap == "auto":
+        overlap = overlaps_beside_compute(dist.get_backend())
     model = cast_model(model, precision)
     params = opts["param_groups"](model) if opts["param_groups"] else model.parameters()
     build = None
@@ -62,7 +70,7 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     zero = ZeroOptimizer(
         params, optimizer.cls, stage=stage, master_weights=precision.master_weights,
         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
-        overlap_all_gather=opts["overlap_all_gather"], module=model,
+        overlap_all_gather=overlap, module=model,
         param_order=[p for p in model.parameters() if p.requires_grad],
         clip=optimizer.clipper(sharded=True), build=build, **optimizer.kwargs)
 
@@ -74,7 +82,7 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     # locally; stage 2 reduces every micro-batch and accumulates into the shard.
     return Wrapped(model, zero, full_parameters=full_parameters,
                    pieces=lambda: zero.pieces(model), after_load=zero.all_gather_all,
-                   clip=zero.clip)
+                   settle=zero.wait_for_params, clip=zero.clip)
 
 
 def wrap_zero1(model: nn.Module, precision: Precision, optimizer: OptimizerSpec,
