@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                    "are left out of the timing)")
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--bucket-mb", type=float, default=1.0,
-                   help="bucket size: gpt-small's 12.4 MiB in about a dozen buckets (25 MB, "
+                   help="bucket size: gpt-small's 12.4 MiB in 22 buckets (each cut before a parameter "
+                        "would pass 1 MiB; 25 MB, "
                         "the default, suits models of billions of parameters: one bucket "
                         "here, and nothing to overlap)")
     p.add_argument("--batch-size", type=int, default=8)

@@ -49,14 +49,14 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
         check_bucket_numel(opts["bucket_numel"])
     else:
         check_bucket_mb(opts["bucket_mb"])
-    if not (isinstance(opts["overlap_all_gather"], bool) or opts["overlap_all_gather"] == "auto"):
+    overlap = opts["overlap_all_gather"]
+    if not (isinstance(overlap, bool) or overlap == "auto"):
         raise ValueError(f"overlap_all_gather must be True, False or \"auto\", got "
-                         f"{opts['overlap_all_gather']!r}")
+                         f"{overlap!r}")
     if opts["param_groups"] is not None and not callable(opts["param_groups"]):
         raise ValueError(f"param_groups must be None or a function model -> list of "
                          f"parameter groups, got {type(opts['param_groups']).__name__}")
     check_same_on_all_ranks(list(model.named_parameters()))
-    overlap = opts["overlap_all_gather"]
     if overlap == "auto":
         overlap = overlaps_beside_compute(dist.get_backend())
     model = cast_model(model, precision)
