@@ -330,10 +330,10 @@ def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> floa
 def overlaps_beside_compute(backend: str) -> bool:
     """Whether `backend`'s collectives run beside the compute, so that starting one early
     hides it: NCCL's kernels run on CUDA streams of their own; gloo's on CPU threads that
-    share the cores with the compute. Measured here (`benchmarks/bench_overlap.py`, the
-    README): ZeRO-1/2 with their all-gathers overlapped bucket by bucket took 1.18-1.19x
-    their step with one all-gather after the step, on 4 gloo ranks of a 2-core CPU, and
-    1.01-1.02x on 2. What `overlap_all_gather="auto"`, ZeRO-1/2's default, follows."""
+    share the cores with the compute. Measured by `benchmarks/bench_overlap.py` (the
+    README's overlap table): on gloo ranks sharing a CPU, ZeRO-1/2's all-gathers
+    overlapped bucket by bucket made the step slower than one all-gather after it. What
+    `overlap_all_gather="auto"`, ZeRO-1/2's default, follows."""
     return backend == "nccl"
 
 
