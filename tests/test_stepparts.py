@@ -137,6 +137,11 @@ def test_a_strategy_s_own_work_is_priced_per_parameter_tensor(model):
     assert b.timeline()[-1][1] == "strategy's own work"
 
 
+def test_a_round_of_the_compute_rate_counts_at_the_slowest_rank_s_time(wrapped):
+    # rank r timed r + 1 seconds: every rank takes the longest, the pace of a step
+    assert [out["slowest"] for out in wrapped] == [2.0, 2.0]
+
+
 def test_the_strategies_own_work_is_measured_alike_on_every_rank(wrapped):
     works = [out["work"] for out in wrapped]
     per_tensor, per_unit = works[0]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.launch.devices import rank_device
 from shardlab.stepparts import median_seconds
 
 
@@ -101,8 +102,7 @@ def slowest_rank(seconds: float) -> float:
     that share a CPU finish the same work apart (the scheduler runs some before others),
     and the step of a synchronous strategy goes at the pace of the last to finish: the
     time the report counts as idle on the others."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    t = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 

@@ -329,7 +329,9 @@ def exposed_seconds(ops: list[Collective], window: float, hiding: float) -> floa
 
 def overlaps_beside_compute(backend: str) -> bool:
     """Whether `backend`'s collectives run beside the compute, so that starting one early
-    hides it: NCCL's kernels run on CUDA streams of their own; gloo's on CPU threads that
+    hides it: an asynchronous collective of PyTorch's NCCL backend runs its kernels on CUDA
+    streams of its own (`ncclStreams_`, "the CUDA streams used by NCCL kernels", in
+    torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp); gloo's run on CPU threads that
     share the cores with the compute. Measured by `benchmarks/bench_overlap.py` (the
     README's overlap table): on gloo ranks sharing a CPU, ZeRO-1/2's all-gathers
     overlapped bucket by bucket made the step slower than one all-gather after it. What

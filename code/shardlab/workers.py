@@ -489,13 +489,15 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     """Run on every rank: for each strategy, the tensors its optimizer steps on this rank
     once the model is wrapped (elements of each, DTensors or not), what the time model's
     layouts (`stepparts.stepped_tensors`) must list; and, measured small, AdamW's costs over
-    this world's mesh, each kind of collective inside a step and two strategies' own work."""
+    this world's mesh, each kind of collective inside a step and two strategies' own work;
+    and what `rates.slowest_rank` makes of rank r's r + 1 seconds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from shardlab.models import build_model
     from shardlab.optimizers import OptimizerSpec, inner_optimizer
     from shardlab.precision import get_precision
+    from shardlab.rates import slowest_rank
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
     from shardlab.steptime import Machine
     from shardlab.strategy import get_strategy
@@ -517,4 +519,5 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     machine = Machine(flops=1.0, alpha=0.0, beta=1e9, adam_seconds=0.0, hiding=0.0,
                       in_step=out["in_step"])
     out["work"] = strategy_work(["ddp", "torch-fsdp2"], machine, repeats=1)
+    out["slowest"] = slowest_rank(float(dist.get_rank() + 1))
     return out
