@@ -132,6 +132,24 @@ def test_zero3_plan_is_a_gather_per_unit_each_way_and_a_reduce_scatter():
     assert [c.phase for c in step.collectives[:10]] == ["forward"] * 5 + ["backward"] * 5
 
 
+@pytest.mark.parametrize("strategy, phase", [("zero1", "step"), ("zero2", "backward")])
+def test_all_reduced_gradients_are_planned_where_the_reduce_scatters_were(model, strategy,
+                                                                          phase):
+    """gradient_collective="all-reduce" (DeepSpeed's default): the same buckets, each
+    all-reduced in the phase where the stage reduce-scattered it, so twice the bytes of
+    the reduce-scatter go on the ring."""
+    options = {"bucket_mb": 0.1, "overlap_all_gather": False}
+    scatter = predict_step(strategy, model, WORLD, options, MACHINE, tokens=TOKENS)
+    reduce = predict_step(strategy, model, WORLD, {**options, "gradient_collective":
+                                                   "all-reduce"}, MACHINE, tokens=TOKENS)
+    ops = lambda step, op: [(c.nbytes, c.phase) for c in step.collectives if c.op == op]
+    assert ops(reduce, "all_reduce") == ops(scatter, "reduce_scatter")
+    assert {ph for _, ph in ops(reduce, "all_reduce")} == {phase}
+    assert not ops(reduce, "reduce_scatter")
+    gradients = sum(n for n, _ in ops(scatter, "reduce_scatter")) * (WORLD - 1) / WORLD
+    assert reduce.sent_bytes == pytest.approx(scatter.sent_bytes + gradients)
+
+
 def test_exposed_rules():
     from shardlab.steptime import Collective
     produced = [Collective("all_reduce", 0, "backward", "produced", s) for s in (1.0, 2.0)]

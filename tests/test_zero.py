@@ -54,6 +54,10 @@ def cases_for(world: int) -> list[TrainConfig]:
                 measure_memory=False, **sgd),
         replace(GPT, strategy="zero1", grad_accum=2, options={"bucket_numel": 4096},
                 measure_memory=False, **sgd),
+        # DeepSpeed's collective: every bucket all-reduced, each rank keeping its chunk
+        *(replace(GPT, strategy=s, grad_accum=2, measure_memory=False, **sgd,
+                  options={"bucket_numel": 4096, "gradient_collective": "all-reduce"})
+          for s in ("zero1", "zero2")),
         # awkward models (MemTracker cannot hook frozen parameters: no peak for them)
         replace(BASE, model="toy-frozen", strategy="zero2", measure_memory=False, **sgd),
         replace(BASE, model="toy-unused", strategy="zero1", measure_memory=False, **sgd),
@@ -84,10 +88,11 @@ def run(launched):
 
 def key(r):
     return (r["strategy"], r["model"], r["precision"], r["optimizer"], r["grad_accum"],
-            r["bucket_numel"], r["groups"])
+            r["bucket_numel"], r["groups"], r["collective"])
 
 
-GPT_ADAMW = ("gpt-tiny", "fp32", "adamw", 1, ONE_BUCKET["bucket_numel"], False)
+GPT_ADAMW = ("gpt-tiny", "fp32", "adamw", 1, ONE_BUCKET["bucket_numel"], False,
+             "reduce-scatter")
 
 
 def test_every_rank_reports_the_same_losses(run):
@@ -99,7 +104,8 @@ def test_every_rank_reports_the_same_losses(run):
 def test_fp32_parity_with_single_process(run):
     world, results = run
     by_key = {key(r): r for r in results[0]}
-    torch_zero1 = by_key[("torch-zero1", "gpt-tiny", "fp32", "adamw", 1, None, False)]
+    torch_zero1 = by_key[("torch-zero1", "gpt-tiny", "fp32", "adamw", 1, None, False,
+                          "reduce-scatter")]
     for r in results[0]:
         if r["precision"] != "fp32":
             continue
@@ -164,7 +170,8 @@ def test_ledger_moves_2_psi_per_step(run):
     the communicated dtype, nothing else; as many bytes of each as the padded flat
     buffers (zero2 reduces once per micro-batch). One bucket: exactly one of each."""
     world, results = run
-    zero_cases = [r for r in results[0] if r["strategy"] in ("zero1", "zero2")]
+    zero_cases = [r for r in results[0] if r["strategy"] in ("zero1", "zero2")
+                  and r["collective"] == "reduce-scatter"]
     assert len(zero_cases) >= 8
     for r in zero_cases:
         elem = 4 if r["precision"] == "fp32" else 2
@@ -191,6 +198,24 @@ def test_ledger_moves_2_psi_per_step(run):
             r = {key(x): x for x in results[0]}[(strategy, *GPT_ADAMW)]
             for step in range(10):
                 assert sum(x[2] for x in r["ledger"] if x[3] == step) == 2 * r["psi"] * 4
+
+
+def test_all_reduce_option_sends_all_reduces_of_the_same_buckets(run):
+    """gradient_collective="all-reduce": where the default reduce-scatters, an all-reduce
+    of the same bucket (twice the bytes on a ring, so the ledger's logical bytes match),
+    once per micro-batch for zero2 and once per step for zero1; parity is checked above."""
+    world, results = run
+    by_key = {key(r): r for r in results[0]}
+    for strategy in ("zero1", "zero2"):
+        common = (strategy, "gpt-tiny", "fp32", "sgd-momentum", 2, 4096, False)
+        scatter = by_key[(*common, "reduce-scatter")]
+        reduce = by_key[(*common, "all-reduce")]
+        for step in range(10):
+            ops = lambda r: [(x[0], x[2]) for x in r["ledger"] if x[3] == step]
+            assert [(o.replace("reduce_scatter", "all_reduce"), n) for o, n in ops(scatter)] \
+                == ops(reduce), strategy
+        assert any(x[0] == "all_reduce" for x in reduce["ledger"])
+        assert not any(x[0] == "reduce_scatter" for x in reduce["ledger"])
 
 
 def test_refuses_a_model_that_differs_across_ranks(launched):
@@ -228,6 +253,7 @@ def test_zero_optimizer_refuses_a_stage_it_does_not_have(stage):
     ({"bucket_mb": "25"}, ["bucket_mb", "positive"]),
     ({"bucket_mb": 4, "bucket_numel": 4096}, ["bucket_mb", "bucket_numel", "not both"]),
     ({"overlap_all_gather": "yes"}, ["overlap_all_gather", "True, False or \"auto\""]),
+    ({"gradient_collective": "allreduce"}, ["gradient_collective", "all-reduce"]),
     ({"param_groups": "decay"}, ["param_groups", "function"]),
 ])
 def test_bad_options_are_refused_before_any_collective(wrap, options, words):

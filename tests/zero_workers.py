@@ -67,7 +67,9 @@ def parity_cases(cases: list[TrainConfig]) -> list[dict]:
         assert report.params.keys() == ref_params.keys()
         out.append({**compared(config, report, ref_losses, ref_params),
                     "bucket_numel": config.options.get("bucket_numel"),
-                    "groups": "param_groups" in config.options})
+                    "groups": "param_groups" in config.options,
+                    "collective": config.options.get("gradient_collective",
+                                                     "reduce-scatter")})
     return out
 
 

@@ -165,6 +165,7 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         deepspeed_reference="deepspeed-zero1", zero_stage=1,
         volume_factor=2, collectives=SCATTER_THEN_GATHER,
         schedule={"reduce_scatter": ("step", "waited"),
+                  "all_reduce": ("step", "waited"),   # gradient_collective="all-reduce"
                   "all_gather": ("forward", "prefetched")},
         plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
         muon_designs=("gather", "owner", "whole"),
@@ -174,6 +175,7 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         deepspeed_reference="deepspeed-zero2", zero_stage=2,
         volume_factor=2, collectives=SCATTER_THEN_GATHER,
         schedule={"reduce_scatter": ("backward", "produced"),
+                  "all_reduce": ("backward", "produced"),   # gradient_collective="all-reduce"
                   "all_gather": ("forward", "prefetched")},
         plan="zero-buckets", sharded_step=True, gather_overlap_option="overlap_all_gather",
         muon_designs=("gather", "owner", "whole"),

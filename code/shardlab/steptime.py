@@ -234,13 +234,15 @@ def _per_parameter(model, params, options, bytes_per_elem):
 
 
 def _zero_buckets(model, params, options, bytes_per_elem):
-    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered; the updated parameters
-    all-gathered bucket by bucket when overlapped (as on NCCL, where "auto" is left
-    undecided: `with_overlap_decided`), else in one collective (`shardlab.zero.gather`)."""
+    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered (or all-reduced, with
+    `gradient_collective="all-reduce"`); the updated parameters all-gathered bucket by
+    bucket when overlapped (as on NCCL, where "auto" is left undecided:
+    `with_overlap_decided`), else in one collective (`shardlab.zero.gather`)."""
     mb = options.get("bucket_mb", 25.0)
     zero = _buckets(sum(p.numel() for p in params) * bytes_per_elem, mb, mb)
     gathers = zero if options.get("overlap_all_gather", "auto") else [sum(zero)]
-    return [("reduce_scatter", b) for b in zero] + [("all_gather", b) for b in gathers]
+    reduce = options.get("gradient_collective", "reduce-scatter").replace("-", "_")
+    return [(reduce, b) for b in zero] + [("all_gather", b) for b in gathers]
 
 
 def _units(model, params, options, bytes_per_elem):

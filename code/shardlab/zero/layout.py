@@ -173,6 +173,20 @@ def split_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     return result
 
 
+# How a stage reduces its gradients: a reduce-scatter hands each rank its chunk alone (the
+# Ψ the ZeRO paper counts on a ring); an all-reduce hands every rank the whole sum and
+# each keeps its chunk (2Ψ on a ring), DeepSpeed's default for its stages 1 and 2
+# (`use_multi_rank_bucket_allreduce`, deepspeed/runtime/zero/config.py).
+GRADIENT_COLLECTIVES = ("reduce-scatter", "all-reduce")
+
+
+def check_gradient_collective(name: Any) -> str:
+    if name not in GRADIENT_COLLECTIVES:
+        raise ValueError(f"gradient_collective must be one of {GRADIENT_COLLECTIVES}, "
+                         f"got {name!r}")
+    return name
+
+
 def check_bucket_numel(bucket_numel: Any) -> int:
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
         raise ValueError(f"bucket_numel must be a whole number of elements >= 1, "

@@ -62,7 +62,9 @@ class ZeroOptimizer(InnerOptimizerFace):
     `param_order` (the model's parameters in forward order) decides the order in which
     stage 2 reduces its buckets and in which the step updates and gathers them; every
     rank must use the same order. Buckets hold about `bucket_mb` MB of parameters (or
-    `bucket_numel` elements, when given).
+    `bucket_numel` elements, when given). `gradient_collective="all-reduce"` sums each
+    bucket's gradients on every rank and keeps this rank's chunk, as DeepSpeed's stages 1
+    and 2 do by default, instead of reduce-scattering them (`layout.GRADIENT_COLLECTIVES`).
 
     With `overlap_all_gather`, `step()` returns with the all-gathers still in flight, and
     `module` (the model) gets a hook before each submodule's forward that waits for the
@@ -82,7 +84,7 @@ class ZeroOptimizer(InnerOptimizerFace):
                  overlap_all_gather: bool = False, module: nn.Module | None = None,
                  process_group=None, param_order: Sequence[nn.Parameter] | None = None,
                  clip: GradClip | None = None, build: Callable | None = None,
-                 **defaults: Any):
+                 gradient_collective: str = "reduce-scatter", **defaults: Any):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r}; "
                              f"stage 3 is the strategy zero3 (shardlab.zero3.wrap_zero3)")
@@ -109,8 +111,10 @@ class ZeroOptimizer(InnerOptimizerFace):
                           master_weights)
             for gi, spec in enumerate(split_groups(params))]
         # What the stages differ in: where the gradients live, when they are reduced.
-        self.reducer = (StepReducer(self.groups, process_group) if stage == 1 else
-                        BackwardReducer(self.groups, process_group, param_order))
+        self.reducer = (StepReducer(self.groups, process_group, gradient_collective)
+                        if stage == 1 else
+                        BackwardReducer(self.groups, process_group, param_order,
+                                        gradient_collective))
         inner = [{**g.hyper, "params": g.shards} for g in self.groups]
         self.optimizer = (optimizer_class(inner, **defaults) if build is None else
                           build(inner, places=lambda: self.places(module),

@@ -19,15 +19,18 @@ import torch.distributed as dist
 from shardlab import trace
 from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
+from shardlab.zero.layout import check_gradient_collective
 
 
 class StepReducer:
     """Stage 1's gradients: whole, in one flat buffer per group laid out as the
     parameters, reduce-scattered by the step into this rank's averaged chunks."""
 
-    def __init__(self, groups: list[FlatGroup], process_group):
+    def __init__(self, groups: list[FlatGroup], process_group,
+                 collective: str = "reduce-scatter"):
         self.groups = groups
         self.process_group = process_group
+        self.collective = check_gradient_collective(collective)
         # A persistent buffer by design, as DDP's: zeroed by zero_grad(), never freed.
         self.flat_grads = [torch.zeros_like(g.flat_param) for g in groups]
         for gi in range(len(groups)):
@@ -35,14 +38,31 @@ class StepReducer:
 
     def averaged_chunks(self, gi: int) -> torch.Tensor:
         """My chunks of group `gi`'s gradients averaged over the ranks, one reduce-scatter
-        per bucket, straight out of the flat gradient buffer (no copy); a temporary."""
+        per bucket, straight out of the flat gradient buffer (no copy); a temporary.
+        Every bucket's collective is started before the first is waited for, so that one
+        bucket's fixed cost is paid while another travels.
+
+        With the "all-reduce" collective each bucket is summed in place in the flat
+        gradient buffer and my chunk copied out: the buffer holds the ranks' sum until
+        `zero_grad()`."""
         g, flat_grad = self.groups[gi], self.flat_grads[gi]
         self._attach_grads(gi)
         grad = torch.empty_like(g.flat_param[:g.shard_numel])
+        rank = dist.get_rank(self.process_group)
+        started = []
         for b in g.buckets:
-            with trace.span("reduce-scatter", b.index):
-                reduce_scatter_into(grad[b.in_shard], b.region(flat_grad),
-                                    group=self.process_group)
+            trace.mark(self.collective, b.index)
+            if self.collective == "all-reduce":
+                started.append(dist.all_reduce(b.region(flat_grad), group=self.process_group,
+                                               async_op=True))
+            else:
+                started.append(reduce_scatter_into(grad[b.in_shard], b.region(flat_grad),
+                                                   group=self.process_group, async_op=True))
+        for b, work in zip(g.buckets, started):
+            work.wait()
+            trace.mark(self.collective, b.index, "end")
+            if self.collective == "all-reduce":
+                grad[b.in_shard].copy_(b.chunk(flat_grad, rank))
         return grad.div_(dist.get_world_size(self.process_group))
 
     @torch.no_grad()

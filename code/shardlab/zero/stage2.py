@@ -18,12 +18,13 @@ import functools
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab import trace
 from shardlab.comm.compat import reduce_scatter_into
 from shardlab.zero.flat import FlatGroup
-from shardlab.zero.layout import Bucket, in_backward_order
+from shardlab.zero.layout import Bucket, check_gradient_collective, in_backward_order
 
 
 class BackwardReducer:
@@ -38,9 +39,11 @@ class BackwardReducer:
     MAX_IN_FLIGHT = 2
 
     def __init__(self, groups: list[FlatGroup], process_group,
-                 param_order: Sequence[nn.Parameter] | None):
+                 param_order: Sequence[nn.Parameter] | None,
+                 collective: str = "reduce-scatter"):
         self.groups = groups
         self.process_group = process_group
+        self.collective = check_gradient_collective(collective)
         buckets = [b for g in groups for b in g.buckets]
         # Reduce first the bucket whose parameters come last in the model: its gradients
         # are complete first.
@@ -135,9 +138,16 @@ class BackwardReducer:
         buffer = self.buffers[b]
         for i in self.waiting[b]:  # took no part in this step: a zero gradient
             buffer[b.offsets[i]:b.offsets[i] + b.params[i].numel()].zero_()
-        mine = torch.empty(b.chunk_numel, dtype=buffer.dtype, device=buffer.device)
-        trace.mark("reduce-scatter", b.index)
-        work = reduce_scatter_into(mine, buffer, group=self.process_group, async_op=True)
+        trace.mark(self.collective, b.index)
+        if self.collective == "all-reduce":  # the whole sum comes back; my chunk is a view
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+            c = b.chunk_numel
+            rank = dist.get_rank(self.process_group)
+            mine = buffer[rank * c:(rank + 1) * c]
+        else:
+            mine = torch.empty(b.chunk_numel, dtype=buffer.dtype, device=buffer.device)
+            work = reduce_scatter_into(mine, buffer, group=self.process_group,
+                                       async_op=True)
         self.in_flight.append((b, mine, work))
         while len(self.in_flight) > self.MAX_IN_FLIGHT:
             self._complete_oldest()
@@ -150,7 +160,7 @@ class BackwardReducer:
     def _complete_oldest(self) -> None:
         b, mine, work = self.in_flight.pop(0)
         work.wait()
-        trace.mark("reduce-scatter", b.index, "end")  # seen finished (or waited for) here
+        trace.mark(self.collective, b.index, "end")  # seen finished (or waited for) here
         # add, not copy: gradient accumulation sums the micro-batches into the shard
         self.grad_shards[b.group][b.in_shard].add_(mine.div_(b.world))
         del self.buffers[b]

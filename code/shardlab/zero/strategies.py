@@ -19,7 +19,8 @@ from shardlab.precision import Precision
 from shardlab.steptime import overlaps_beside_compute
 from shardlab.strategy import (Wrapped, cast_model, check_options, check_same_on_all_ranks,
                                named_full_parameters)
-from shardlab.zero.layout import check_bucket_mb, check_bucket_numel
+from shardlab.zero.layout import (check_bucket_mb, check_bucket_numel,
+                                  check_gradient_collective)
 from shardlab.zero.optimizer import ZeroOptimizer
 
 # Options of wrap_zero1 / wrap_zero2, with their defaults.
@@ -33,6 +34,12 @@ ZERO_OPTIONS: dict[str, Any] = {
     # "auto": where the backend's collectives run beside the compute, NCCL, not gloo
     # (`steptime.overlaps_beside_compute`, measured by benchmarks/bench_overlap.py).
     "overlap_all_gather": "auto",
+    # How each bucket's gradients are reduced: "reduce-scatter" (each rank receives only
+    # its chunk) or "all-reduce" (every rank receives the sum and keeps its chunk, twice
+    # the bytes on a ring: DeepSpeed's default for its stages 1 and 2). On gloo, whose
+    # reduce_scatter_tensor is itself built on all-reduce (DESIGN.md), "all-reduce" moves
+    # the same bytes and skips the copy out; the README's DeepSpeed table measures both.
+    "gradient_collective": "reduce-scatter",
     # None (one group: all trainable parameters) or a function model -> parameter groups
     # (a list of dicts, as for any torch.optim optimizer).
     "param_groups": None,
@@ -53,6 +60,7 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
     if not (isinstance(overlap, bool) or overlap == "auto"):
         raise ValueError(f"overlap_all_gather must be True, False or \"auto\", got "
                          f"{overlap!r}")
+    check_gradient_collective(opts["gradient_collective"])
     if opts["param_groups"] is not None and not callable(opts["param_groups"]):
         raise ValueError(f"param_groups must be None or a function model -> list of "
                          f"parameter groups, got {type(opts['param_groups']).__name__}")
@@ -72,7 +80,8 @@ def _wrap_zero(stage: int, model: nn.Module, precision: Precision, optimizer: Op
         bucket_mb=opts["bucket_mb"], bucket_numel=opts["bucket_numel"],
         overlap_all_gather=overlap, module=model,
         param_order=[p for p in model.parameters() if p.requires_grad],
-        clip=optimizer.clipper(sharded=True), build=build, **optimizer.kwargs)
+        clip=optimizer.clipper(sharded=True), build=build,
+        gradient_collective=opts["gradient_collective"], **optimizer.kwargs)
 
     def full_parameters() -> dict[str, torch.Tensor]:
         zero.wait_for_params()
