@@ -226,9 +226,12 @@ def test_refuses_a_model_that_differs_across_ranks(launched):
 def test_zero_optimizer_builds_the_stage_it_is_given(launched):
     """`ZeroOptimizer(params, torch.optim.AdamW, stage=s)`, the way outside code builds
     it, trains 5 steps like one process's AdamW on the whole batch, with the stage's
-    gradients: whole until the step (1) or reduced in backward (2)."""
+    gradients: whole until the step (1; zeroed by the optimizer or by `model.zero_grad()` in
+    turn) or reduced in backward (2)."""
     for r in (rank["by_hand"] for rank in launched[1]):
         assert r[1]["reducer"] == "StepReducer" and r[2]["reducer"] == "BackwardReducer"
+        # stage 1's step frees the full gradients (its all-gather used their buffer)
+        assert all(r[1]["freed_by_step"])
         for stage in (1, 2):
             assert r[stage]["param_diff"] <= FP32_PARAM_TOL, stage
             assert r[stage]["moved"] > 10 * FP32_PARAM_TOL, stage

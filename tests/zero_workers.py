@@ -113,17 +113,22 @@ def built_by_hand(steps: int = 5) -> dict:
         single = copy.deepcopy(model)
         ours = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **adamw)
         theirs = torch.optim.AdamW(single.parameters(), **adamw)
+        freed = []
         for step in range(steps):
             x, y = get_batch(step, rank, world, 12, 16)
             loss_fn(model(x), y).backward()
             ours.step()
-            ours.zero_grad()
+            freed.append(all(p.grad is None for p in model.parameters()))
+            # stage 1, every other step, zeroed the way a model is: it then finds .grad
+            # tensors of backward's own, over a flat buffer the step used as scratch
+            # (stage 2's gradient is the optimizer's shard: only its zero_grad() zeroes it)
+            ours.zero_grad() if stage == 2 or step % 2 == 0 else model.zero_grad()
             x, y = get_batch(step, 0, 1, 12, 16)
             loss_fn(single(x), y).backward()
             theirs.step()
             theirs.zero_grad()
         out[stage] = {
-            "reducer": type(ours.reducer).__name__,
+            "reducer": type(ours.reducer).__name__, "freed_by_step": freed,
             "param_diff": max((p - q).abs().max().item()
                               for p, q in zip(model.parameters(), single.parameters())),
             "moved": max((p - q).abs().max().item() for p, q in

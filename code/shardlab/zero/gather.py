@@ -43,15 +43,16 @@ class ParamAllGather:
                                                  param_order)
         self.in_flight: dict[Bucket, Any] = {}   # bucket -> its all-gather's work
 
-    def all_gather(self, g: FlatGroup) -> None:
+    def all_gather(self, g: FlatGroup, scratch: torch.Tensor | None = None) -> None:
         """Every rank's chunks of group `g` into every rank's flat buffer, in one
         collective. A collective pays a fixed cost per call as well as per byte (on gloo
         ranks sharing a CPU, milliseconds), so nothing overlapped, one call for the group
         is cheaper than one per bucket: DeepSpeed's stages 1 and 2 gather once too
         (`all_gather_dp_groups`, deepspeed/runtime/utils.py). A rank's chunks are not
         contiguous in the flat buffer (bucket by bucket, rank by rank), so they travel
-        packed, and each bucket's N chunks are copied back into place; the price is a
-        transient buffer the size of the group."""
+        packed, and each bucket's N chunks are copied back into place. They land in
+        `scratch` (a buffer of the group's size that is free: stage 1's gradients after
+        the step), else in a transient buffer the size of the group."""
         if len(g.buckets) == 1:  # the chunks already lie rank by rank: gather in place
             b = g.buckets[0]
             with trace.span("all-gather", b.index):
@@ -60,7 +61,8 @@ class ParamAllGather:
             return
         world = g.buckets[0].world
         mine = torch.cat([g.my_chunk(b) for b in g.buckets])  # my shard, packed
-        every = mine.new_empty(world * mine.numel())
+        every = (mine.new_empty(world * mine.numel()) if scratch is None
+                 else scratch[:world * mine.numel()])
         with trace.span("all-gather", f"group {g.buckets[0].group}"):  # all its buckets
             all_gather_into(every, mine, group=self.process_group)
         by_rank = every.view(world, mine.numel())

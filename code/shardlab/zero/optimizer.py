@@ -137,12 +137,12 @@ class ZeroOptimizer(InnerOptimizerFace):
                 shard.grad = grads[b]
         with trace.span("optimizer step"):
             self.optimizer.step()
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             for b, shard in zip(g.buckets, g.shards):
                 shard.grad = None  # stage 1's reduced gradient was a temporary
                 if self.master_weights:
                     g.my_chunk(b).copy_(shard)
-            self.gather.all_gather(g)
+            self.gather.all_gather(g, scratch=self.reducer.free_after_step(gi))
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -163,9 +163,8 @@ class ZeroOptimizer(InnerOptimizerFace):
         bf16-mixed holds one bucket's fp32 copy at a time."""
         chunks = {}
         for gi, g in enumerate(self.groups):
-            grad = self.reducer.averaged_chunks(gi)
-            for b, shard in zip(g.buckets, g.shards):
-                chunks[b] = (grad[b.in_shard], shard)
+            for b, shard, grad in zip(g.buckets, g.shards, self.reducer.averaged_chunks(gi)):
+                chunks[b] = (grad, shard)
         if self.clip is None:
             return _LazyCast(chunks)
         cast = {b: grad.to(shard.dtype) for b, (grad, shard) in chunks.items()}

@@ -63,10 +63,10 @@ class BackwardReducer:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready,
                                                                        b, i))
 
-    def averaged_chunks(self, gi: int) -> torch.Tensor:
-        """My chunks of group `gi`'s gradients averaged over the ranks: reduced during
-        backward, the step only reads them."""
-        return self.grad_shards[gi]
+    def averaged_chunks(self, gi: int) -> list[torch.Tensor]:
+        """My chunk of each bucket of group `gi` (in the group's order), its gradients
+        averaged over the ranks: reduced during backward, the step only reads them."""
+        return [self.grad_shards[gi][b.in_shard] for b in self.groups[gi].buckets]
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -76,6 +76,10 @@ class BackwardReducer:
     def kept(self) -> list[torch.Tensor]:
         """The gradients kept between steps (what `shardlab.measure` counts)."""
         return self.grad_shards
+
+    def free_after_step(self, gi: int) -> None:
+        """No whole-size buffer is free after the step here (only my shard is kept)."""
+        return None
 
     # ------------------------------------------------------------------ backward hooks
 
