@@ -1,6 +1,8 @@
-"""ZeRO-1 and ZeRO-2 with the parameters' all-gather overlapped, against without.
+"""ZeRO-1 and ZeRO-2 with the parameters' all-gather overlapped, against without (or, with
+`--vary gradient_collective`, the gradients all-reduced against reduce-scattered).
 
     python benchmarks/bench_overlap.py --worlds 2 4 --reps 5
+    python benchmarks/bench_overlap.py --vary gradient_collective --bucket-mb 4 --worlds 2 4 --reps 5
 
 Without overlap, ZeRO-1/2 all-gather the updated parameters after the optimizer step,
 with nothing to compute meanwhile: the whole step waits for it. With
@@ -15,6 +17,10 @@ is its slowest rank's median step (steps after the first, before the last); a pa
 ratio is on / off, and the printed ratio is the median over repetitions. The exposed
 communication (from the run report: time a rank waited for a collective) says where the
 time went.
+
+`--vary gradient_collective` pairs ZeRO-1/2's default reduce-scatter of each bucket's
+gradients ("off") with an all-reduce of the same bucket ("on"), DeepSpeed's default: gloo
+builds its reduce_scatter_tensor on an all-reduce, so there the two move the same bytes.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ def exposed_ms(reports) -> float:
     return max(m["exposed_comm_ms"] or 0.0 for m in production_metrics(reports))
 
 
+# the ZeRO option a pair differs in: its value in the "off" run, and in the "on" run
+VARIED = {"overlap_all_gather": (False, True),
+          "gradient_collective": ("reduce-scatter", "all-reduce")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -57,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--vary", default="overlap_all_gather", choices=sorted(VARIED),
+                   help="the option the pairs differ in (off and on: %s)" % "; ".join(
+                       f"{k} {a} and {b}" for k, (a, b) in VARIED.items()))
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
     p.add_argument("--results", metavar="PATH",
                    help="write the printed table as JSON (benchmarks/results/*.json: the "
@@ -74,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = (False, True) if rep % 2 == 0 else (True, False)
                 cases += [(rep, strategy, overlap) for overlap in order]
         configs = [replace(base, strategy=s, options={"bucket_mb": args.bucket_mb,
-                                                      "overlap_all_gather": on})
+                                                      args.vary: VARIED[args.vary][on]})
                    for _, s, on in cases]
         for config in configs:
             config.validate()
@@ -82,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {case: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
         print(f"\n{args.model} ({per_rank[0][0].psi:,} parameters), world {world}, "
               f"{args.bucket_mb:g} MB buckets, batch {args.batch_size} x {args.seq_len}, "
-              f"{args.steps} steps x {args.reps} interleaved repetitions")
+              f"{args.steps} steps x {args.reps} interleaved repetitions; "
+              f"{args.vary} off = {VARIED[args.vary][0]}, on = {VARIED[args.vary][1]}")
         head = (f"{'strategy':<8} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'min-max':>11} "
                 f"{'exposed off':>12} {'exposed on':>11}")
         print(head)
@@ -116,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                        "command": " ".join(["python benchmarks/bench_overlap.py",
                                             *(argv or sys.argv[1:])]),
                        "setup": {"model": args.model, "bucket_mb": args.bucket_mb,
+                                 "varied": args.vary, "off_on": VARIED[args.vary],
                                  "batch": [args.batch_size, args.seq_len],
                                  "steps": args.steps, "reps": args.reps},
                        "rows": rows, "source": "measured by the command above"}, f, indent=1)
