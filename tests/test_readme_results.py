@@ -118,6 +118,26 @@ def test_the_overlap_table_and_its_prose():
         assert "slower on 4, in every\nrepetition".replace("\n", " ") in FLAT
 
 
+def test_the_gradient_collective_table():
+    """ZeRO-1/2's gradients all-reduced against reduce-scattered, in one launch per world
+    (`bench_overlap.py --vary gradient_collective`), as its results file has them."""
+    data = results("gradient-collective")
+    assert data["setup"]["varied"] == "gradient_collective"
+    rows = table_rows("| strategy | 2 ranks: all-reduce / reduce-scatter |")
+    assert {strategy(r[0]) for r in rows} == {"zero1", "zero2"}
+    for name_cell, two, four in rows:
+        s = strategy(name_cell)
+        for cell, r in ((two, data["rows"]["2"][s]), (four, data["rows"]["4"][s])):
+            assert cell == (f"{r['on_ms']:.1f} / {r['off_ms']:.1f} ms (**{r['ratio']:.2f}**, "
+                            f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f})"), s
+    # the prose says what every row shows, only while every row shows it
+    every = [r for world in data["rows"].values() for r in world.values()]
+    said = ("median step is at or below the reduce-scatter's in every row" in FLAT,
+            "is lower with it in every row" in FLAT)
+    assert said == (all(r["ratio"] <= 1 for r in every),
+                    all(r["exposed_on_ms"] < r["exposed_off_ms"] for r in every))
+
+
 def test_a_changed_result_fails(monkeypatch):
     """The check can fail: one number changed in a results file is caught."""
     original = results
@@ -149,6 +169,58 @@ def test_the_step_time_table():
                  if r["strategy"] == name and r["term_off"]]
         expected = max(sorted(set(named)), key=named.count) if named else "none"
         assert term == expected, name
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _listed(values: list[str]) -> str:
+    return ", ".join(values[:-1]) + " and " + values[-1]
+
+
+def test_the_step_time_prose():
+    """Every figure the step-time section's prose quotes, rendered from the same results
+    file as its table: a new run that leaves one sentence behind fails here."""
+    import statistics
+    data = results("steptime")
+    rows, machines = data["rows"], data["machines"]
+
+    def error(rs, key="step_ratio"):
+        return _pct(statistics.median(abs(r[key] - 1) for r in rs))
+    world = {w: [r for r in rows if r["world"] == w] for w in (2, 4)}
+    llama = {w: [r for r in world[w] if r["model"] == "hf-llama"] for w in (2, 4)}
+    load = data["load_average"]
+    expected = [
+        f"the load average, {load['start'][0]:.1f} at its start and {load['end'][0]:.1f} at "
+        f"its end",
+        f"Over all runs the median error is {error(rows)} ({error(world[2])} on 2 ranks, "
+        f"{error(world[4])} on 4)",
+        f"misses by {error(rows, 'plain_ratio')} ({error(world[2], 'plain_ratio')}, "
+        f"{error(world[4], 'plain_ratio')})",
+        f"The held-out Llama alone: {error(llama[2])} on 2 ranks and {error(llama[4])} on 4, "
+        f"against {error(llama[2], 'plain_ratio')} and {error(llama[4], 'plain_ratio')} plain",
+    ]
+    medians = {(s, w): e for s, per in data["median_error"].items() for w, e in per.items()}
+    within = sum(e <= 0.2 for e in medians.values())
+    expected.append(f"{within} of the {len(medians)} medians are")
+    expected += [f"`{s}` on {w}" for (s, w), e in medians.items() if e > 0.2]
+    expected += [f"({_pct(e)})" for e in medians.values() if e > 0.2]
+    spreads = [hi - lo for per in data["median_error_spread"].values() for lo, hi in per.values()]
+    expected.append(f"medians lie {100 * min(spreads):.0f} to {100 * max(spreads):.0f} points "
+                    f"apart")
+    flops = [m["gpt-tiny"]["flops"] / 1e9 for m in machines["4"]]
+    expected.append(f"between {min(flops):.1f} and {max(flops):.1f} GFLOP/s per rank")
+    for w in ("2", "4"):
+        etas = [f"{m['gpt-tiny']['hiding']:.2f}" for m in machines[w]]
+        expected.append(f"on {w} ranks {_listed(etas)}")
+        fixed = [m["gpt-tiny"]["in_step"]["all_reduce"]["fixed"] * 1e3 for m in machines[w]]
+        expected.append(f"from {min(fixed):.1f} to {max(fixed):.1f} ms on {w}")
+    unit = [m["gpt-tiny"]["unit_work"][s] * 1e3 for m in machines["4"] for s in ("zero3", "fsdp2")]
+    if max(unit) < 0:
+        expected.append(f"in every repetition (down to −{-min(unit):.1f} ms)")
+    missing = [sentence for sentence in expected if " ".join(sentence.split()) not in FLAT]
+    assert not missing, missing
 
 
 def test_the_zero_infinity_table_is_its_results_file():

@@ -37,8 +37,9 @@ ZERO_OPTIONS: dict[str, Any] = {
     # How each bucket's gradients are reduced: "reduce-scatter" (each rank receives only
     # its chunk) or "all-reduce" (every rank receives the sum and keeps its chunk, twice
     # the bytes on a ring: DeepSpeed's default for its stages 1 and 2). On gloo, whose
-    # reduce_scatter_tensor is itself built on all-reduce (DESIGN.md), "all-reduce" moves
-    # the same bytes and skips the copy out; the README's DeepSpeed table measures both.
+    # reduce-scatter clones the bucket, all-reduces the clone and copies this rank's chunk
+    # out (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), "all-reduce" moves the
+    # same bytes without the clone (benchmarks/bench_overlap.py --vary gradient_collective).
     "gradient_collective": "reduce-scatter",
     # None (one group: all trainable parameters) or a function model -> parameter groups
     # (a list of dicts, as for any torch.optim optimizer).
