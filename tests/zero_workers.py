@@ -103,15 +103,16 @@ def built_by_hand(steps: int = 5) -> dict:
     """`ZeroOptimizer(params, torch.optim.AdamW, stage=s)` as outside code builds it, in the
     plain loop with no strategy around it, beside one process's AdamW on the whole batch:
     each stage's largest parameter difference after `steps` steps, and the class of its
-    gradients' reducer."""
+    gradients' reducer; stage 1 also with its all-gather overlapped ("1-overlapped")."""
     from shardlab.zero import ZeroOptimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     adamw = {"lr": 1e-3, "weight_decay": 0.1}
     out = {}
-    for stage in (1, 2):
+    for stage, overlap in ((1, False), (2, False), (1, True)):
         model = build_model("gpt-tiny", seed=0)
         single = copy.deepcopy(model)
-        ours = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **adamw)
+        ours = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                             overlap_all_gather=overlap, module=model, **adamw)
         theirs = torch.optim.AdamW(single.parameters(), **adamw)
         freed = []
         for step in range(steps):
@@ -127,7 +128,8 @@ def built_by_hand(steps: int = 5) -> dict:
             loss_fn(single(x), y).backward()
             theirs.step()
             theirs.zero_grad()
-        out[stage] = {
+        ours.wait_for_params()
+        out["1-overlapped" if overlap else stage] = {
             "reducer": type(ours.reducer).__name__, "freed_by_step": freed,
             "param_diff": max((p - q).abs().max().item()
                               for p, q in zip(model.parameters(), single.parameters())),

@@ -184,6 +184,8 @@ class ZeroOptimizer(InnerOptimizerFace):
             if self.master_weights:
                 g.my_chunk(b).copy_(shard)
             self.gather.start(b)
+        for gi in range(len(self.groups)):  # as the plain step leaves them (stage 1: None)
+            self.reducer.free_after_step(gi)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Everything kept between steps, by category (what shardlab.measure counts)."""
