@@ -63,7 +63,8 @@ class StepReducer:
     def free_after_step(self, gi: int) -> torch.Tensor:
         """Group `gi`'s flat gradient buffer, for the step to use as scratch once my
         chunks are out of it: the parameters' `.grad` become None, as DeepSpeed's stage 1
-        frees the full gradients in its step, and `zero_grad()` (or the next step, for a
+        frees the full gradients in its step (`free_grad_in_param_list` in `step`,
+        deepspeed/runtime/zero/stage_1_and_2.py), and `zero_grad()` (or the next step, for a
         gradient that backward made anew) points them back at the buffer."""
         for b in self.groups[gi].buckets:
             for p in b.params:
