@@ -8,16 +8,17 @@ For each world size, each repetition is one launch that first measures the machi
 model sees it (`shardlab.workers.measure_machine`: the rate of each model's own forward and
 backward, no communication, AdamW's costs per element, per tensor and per DTensor, how much
 of an all-reduce compute hides, α and β, each kind of collective's cost inside a step, and
-each strategy's own work per parameter tensor, on probes of tiny Linear layers;
+each strategy's own work per parameter tensor, on probes of tiny Linear layers, and the
+training loop's own work a step and its ledger's a collective, on a probe of its own;
 micro-benchmarks only) and then trains every
 (model, strategy) once, in turn, so that a noisy minute on a shared machine hits them
 alike. The prediction (`shardlab.steptime.predict_step`) is made from that repetition's
 machine and the strategy's rules alone, before its run; the measured step is the slowest
 rank's median step, the exposed communication the ranks' mean of the run report's.
 A strategy's figures are medians over repetitions. The same runs are also predicted by the
-plain model, without the parts `shardlab.stepparts` measures (AdamW priced per element
-alone, as one flat tensor costs; each collective at its α-β time alone; no work of the
-strategy's own): the "plain" error
+plain model, without the parts `shardlab.stepparts` and `shardlab.probes` measure (AdamW
+priced per element alone, as one flat tensor costs; each collective at its α-β time alone;
+no work of the strategy's or the loop's own): the "plain" error
 beside the parts' error.
 
 Where a prediction misses by more than 20%, the line says which term is off most:
@@ -102,15 +103,16 @@ def predicted(strategy: str, label: str, world: int, machine, args) -> dict:
     tokens = args.batch_size // world * args.seq_len
     step = predict_step(strategy, model, world, {}, machine, tokens=tokens)
     # the plain model: AdamW per element only, as one flat tensor costs, each collective
-    # at its α-β time alone, and no work of the strategy's own
+    # at its α-β time alone, and no work of the strategy's or the loop's own
     plain = predict_step(strategy, model, world, {}, replace(
         machine, adam_tensor_seconds=0.0, dtensor_tensor_seconds=0.0, in_step={},
-        strategy_work={}, unit_work={}),
+        strategy_work={}, unit_work={}, loop_seconds=0.0, ledger_seconds=0.0),
         tokens=tokens)
     return {"step": step.step_seconds, "exposed": step.exposed_seconds,
             "comm": step.comm_seconds, "compute": step.compute_seconds,
             "optimizer": step.compute["step"], "sent": step.sent_bytes,
             "strategy_work": step.compute.get("strategy", 0.0),
+            "loop": step.compute.get("loop", 0.0),
             "step_plain": plain.step_seconds}
 
 
@@ -167,7 +169,9 @@ def table(world: int, result: dict, args) -> list[dict]:
                       if k in args.strategies)
           + "; per unit past the first: "
           + ", ".join(f"{k} {1e6 * w:.0f} µs" for k, w in m0.unit_work.items()
-                      if k in args.strategies) + "; compute "
+                      if k in args.strategies)
+          + f"; the loop {1e6 * m0.loop_seconds:.0f} µs a step + "
+          f"{1e6 * m0.ledger_seconds:.0f} µs a collective (its ledger); compute "
           + ", ".join(f"{k} {r[k].flops / 1e9:.1f}" for r in result["machines"][:1]
                       for k in MODELS) + " GFLOP/s per rank (repetition 1)")
     head = (f"{'model':<10} {'strategy':<12} {'plain':>6} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} "
@@ -321,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     spread = error_spread(rows)
     print("\nmedian |predicted / measured - 1| of the step, over the model sizes "
           "(in brackets: the same runs, the plain model: AdamW as one flat tensor, "
-          "collectives at their α-β time alone, no work of the strategy's own; then the "
+          "collectives at their α-β time alone, no work of the strategy's or the loop's own; "
+          "then the "
           "least and the most of the repetitions' own medians):")
     for s, ws in errors.items():
         print(f"  {s:<12} " + "  ".join(

@@ -118,9 +118,12 @@ def test_a_volume_factor_and_a_schedule_go_together():
             assert not c.sharded_step and c.gather_overlap_option is None, name
             continue
         assert c.plan in steptime.PLANS, (name, c.plan)
-        for op, where in c.schedule.items():
-            places = where if isinstance(where[0], tuple) else (where,)
-            assert all(p in PHASES and h in HOWS for p, h in places), (name, op, where)
+        for schedule in (c.schedule, c.gloo_schedule or {}):
+            for op, where in schedule.items():
+                places = where if isinstance(where[0], tuple) else (where,)
+                assert all(p in PHASES and h in HOWS for p, h in places), (name, op, where)
+        # on gloo the same collectives, placed otherwise
+        assert c.gloo_schedule is None or set(c.gloo_schedule) == set(c.schedule), name
         assert c.gather_overlap_option is None or "all_gather" in c.schedule, name
 
 

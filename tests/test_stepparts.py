@@ -10,19 +10,23 @@
   seconds per byte), which every rank measures alike; a kind not measured costs its α-β
   time alone;
 * a strategy's own work is priced per parameter tensor and per unit past the first,
-  measured on probes alike on every rank;
+  measured on probes alike on every rank; the training loop's own work a step and its
+  ledger's a collective likewise;
 * a strategy without a layout is refused in one line.
 """
 
 import pytest
 
 from shardlab.cards import CARDS
+from shardlab.config import TrainConfig
 from shardlab.launch import launch
 from shardlab.models import build_model
+from shardlab.probes import loop_costs
 from shardlab.stepparts import (LAYOUTS, InStepCost, OptimizerCosts, optimizer_seconds,
                                 stepped_tensors)
 from shardlab.steptime import Machine, predict_step
-from shardlab.workers import optimizer_layouts
+from shardlab.workers import optimizer_layouts, run_all
+from steptime_workers import returned_work
 
 TIMED = [n for n, c in CARDS.items() if c.schedule is not None and not c.one_process]
 
@@ -33,8 +37,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def wrapped():
-    return launch(optimizer_layouts, 2, TIMED)
+def launched():
+    unledgered = TrainConfig(world=2, batch_size=4, seq_len=8, record_ledger=False)
+    return launch(run_all, 2, [(optimizer_layouts, (TIMED,)),
+                               (returned_work, (["torch-fsdp2"],)),
+                               (loop_costs, (unledgered, 1, 2))])
+
+
+@pytest.fixture(scope="module")
+def wrapped(launched):
+    return [out[0] for out in launched]
 
 
 def test_every_timed_strategy_has_a_layout():
@@ -165,15 +177,57 @@ def test_a_strategy_s_own_work_is_priced_per_unit_past_the_first(model):
     assert whole.compute["strategy"] == pytest.approx(28 * 1e-5)
 
 
+def test_the_loop_s_own_work_is_measured_alike_on_every_rank(wrapped):
+    loops = [out["loop"] for out in wrapped]
+    assert loops[0] == loops[1]
+    assert loops[0].per_step >= 0 and loops[0].per_collective >= 0
+
+
+def test_the_loop_s_own_work_is_priced_a_step_and_a_collective(model):
+    from dataclasses import replace
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0)
+    looped = replace(plain, loop_seconds=2e-4, ledger_seconds=1e-4)
+    for strategy in ("ddp", "zero1", "fsdp2"):
+        a = predict_step(strategy, model, 2, {}, plain, tokens=128)
+        b = predict_step(strategy, model, 2, {}, looped, tokens=128)
+        assert "loop" not in a.compute
+        assert b.compute["loop"] == pytest.approx(2e-4 + 1e-4 * len(b.collectives))
+        assert b.step_seconds - a.step_seconds == pytest.approx(b.compute["loop"])
+        assert b.timeline()[-1][1] == "the loop's own work"
+    # a run on one rank has no collective to record
+    alone = predict_step("ddp", model, 1, {}, looped, tokens=128)
+    assert alone.compute["loop"] == pytest.approx(2e-4)
+
+
+def test_a_loop_without_a_ledger_pays_nothing_a_collective(launched):
+    costs = [out[2] for out in launched]
+    assert costs[0] == costs[1] and costs[0].per_collective == 0.0
+
+
 def test_bad_input_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="no optimizer layout"):
         stepped_tensors("deepspeed-zero2", model, 2)
     with pytest.raises(ValueError, match="dtensor_tensor_seconds"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 dtensor_tensor_seconds=-1)
-    with pytest.raises(ValueError, match="strategy work >= 0"):
+    with pytest.raises(ValueError, match="strategy work, loop and ledger seconds >= 0"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 strategy_work={"ddp": -1e-6})
     with pytest.raises(ValueError, match="in-step costs"):
         Machine(flops=1, alpha=0, beta=1, adam_seconds=0, hiding=0,
                 in_step={"all_reduce": InStepCost(fixed=-1e-3, per_byte=0.0)})
+
+
+def test_pytorch_s_fsdp2_waits_each_collective_where_it_calls_it_on_gloo(launched):
+    """FSDP2 calls its all-gathers and reduce-scatters with async_op=False: on gloo each
+    call returns when its collective is done (it returns no Work to wait later), so the
+    time model's gloo schedule for it waits every one, its backward prefetch included."""
+    for out in launched:
+        calls = out[1]["torch-fsdp2"]
+        kinds = {name.split("_single")[0].split("_into")[0].removesuffix("_tensor")
+                 for name, _ in calls}
+        assert kinds == {"all_gather", "reduce_scatter"}, calls
+        assert not any(work for _, work in calls), calls
+    places = CARDS["torch-fsdp2"].schedule_on(gloo=True)
+    assert places["all_gather"] == (("forward", "waited"), ("backward", "waited"))
+    assert places["reduce_scatter"] == ("backward", "waited")

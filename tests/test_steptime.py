@@ -97,6 +97,20 @@ def test_gloo_reduce_scatter_costs_an_all_reduce(model):
     assert [c.phase for c in off.collectives] == ["step", "step"]
 
 
+def test_on_gloo_pytorch_s_fsdp2_hides_none_of_its_collectives(model):
+    """FSDP2 calls its collectives with async_op=False (tests/test_stepparts.py watches
+    it): on NCCL that orders streams and its backward's gathers and reduce-scatters hide
+    behind compute; on gloo each call holds the thread until it is done, so every second
+    of its communication is exposed however well the machine overlaps."""
+    gloo = Machine(1e9, 1e-4, 1e8, 1e-8, 1.0, gloo=True)
+    nccl = predict_step("torch-fsdp2", model, WORLD, {}, MACHINE, tokens=TOKENS)
+    assert nccl.exposed_seconds < 0.9 * nccl.comm_seconds
+    step = predict_step("torch-fsdp2", model, WORLD, {}, gloo, tokens=TOKENS)
+    assert step.exposed_seconds == pytest.approx(step.comm_seconds)
+    ours = predict_step("fsdp2", model, WORLD, {}, gloo, tokens=TOKENS)
+    assert ours.exposed_seconds < 0.9 * ours.comm_seconds  # its reduce-scatters overlap
+
+
 def test_gloo_broadcast_costs_a_binomial_tree(model):
     """ZeroRedundancyOptimizer broadcasts each parameter from its owner; gloo runs a
     broadcast as ceil(log2 N) rounds of the whole tensor, NCCL as a pipelined chain."""

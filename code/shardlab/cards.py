@@ -115,6 +115,10 @@ class StrategyCard:
     # of the updated parameters in the step instead of overlapping it with the next
     # forward. None: no time model.
     schedule: Schedule | None = None
+    # Where the schedule differs on gloo (None: it does not): a collective called without
+    # async_op blocks the calling thread there until it is done, where on NCCL it only
+    # orders CUDA streams and the host runs ahead.
+    gloo_schedule: Schedule | None = None
     plan: str | None = None
     sharded_step: bool = False
     gather_overlap_option: str | None = None
@@ -129,6 +133,10 @@ class StrategyCard:
     # matrix whole on every rank honours "whole" alone, each rank orthogonalizing every
     # matrix; () refuses Muon.
     muon_designs: tuple[str, ...] = ()
+
+    def schedule_on(self, gloo: bool) -> Schedule | None:
+        """Its schedule on gloo (`gloo`) or on NCCL."""
+        return self.gloo_schedule if gloo and self.gloo_schedule is not None else self.schedule
 
     @property
     def one_process(self) -> bool:
@@ -213,6 +221,12 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         # its backward prefetches the next unit's all-gather (FSDP2's default)
         schedule={"all_gather": (("forward", "waited"), ("backward", "prefetched")),
                   "reduce_scatter": ("backward", "produced")},
+        # FSDP2 calls its all-gathers (`unshard_async_op`, False by default) and its
+        # reduce-scatters with async_op=False (`foreach_all_gather`, `foreach_reduce` in
+        # torch/distributed/fsdp/_fully_shard/): on gloo each call returns when its
+        # collective is done, prefetch included (tests/test_steptime.py watches the calls)
+        gloo_schedule={"all_gather": (("forward", "waited"), ("backward", "waited")),
+                       "reduce_scatter": ("backward", "waited")},
         plan="units", sharded_step=True, muon_designs=("gather", "owner"),
         optimizer_layout="dim0-dtensors"),
     StrategyCard(

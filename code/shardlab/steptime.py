@@ -8,7 +8,10 @@ what of the communication the strategy's schedule leaves exposed.
                     the optimizer step: AdamW over the tensors the slowest rank steps,
                     as the strategy lays them out, per element and per tensor
                     (`shardlab.stepparts`: one flat shard costs less than Ψ/N
-                    elements cut into every parameter's shard)
+                    elements cut into every parameter's shard);
+                    the strategy's own work (hooks, copies, dispatch) per parameter tensor
+                    and per unit, and the training loop's own work a step and its
+                    ledger's a collective, each measured on probes (`shardlab.probes`)
     communication   each collective, kind and size as the ledger records them, by its
                     kind's cost measured inside a step (`stepparts`: after compute, no
                     barrier, so arrival skew and copies beside compute are in it); on a
@@ -84,10 +87,14 @@ class Machine:
     strategy_work: dict[str, float] = field(default_factory=dict)
                                    # each strategy's own work a step, per parameter
                                    # tensor (hooks, copies, views, DTensor dispatch),
-                                   # measured on probes (`workers.strategy_work`)
+                                   # measured on probes (`probes.strategy_work`)
     unit_work: dict[str, float] = field(default_factory=dict)
                                    # and per unit past the first, for a strategy of units:
                                    # beyond its collectives' lines, so of either sign
+    loop_seconds: float = 0.0      # the training loop's own work a step (its clock,
+                                   # its batch, its loss's scale), and what its ledger
+    ledger_seconds: float = 0.0    # adds to each collective (`probes.loop_costs`): 0
+                                   # where no ledger records the run
     # (op, bytes, world) -> seconds of one collective, in place of the α-β ring on one link
     # (alpha, beta and gloo unused then): a network of nodes (`shardlab.scaling`)
     network: Callable[[str, float, int], float] | None = None
@@ -97,10 +104,12 @@ class Machine:
                 and self.adam_seconds >= 0 and 0 <= self.hiding <= 1
                 and self.adam_tensor_seconds >= 0 and self.dtensor_tensor_seconds >= 0
                 and all(c.fixed >= 0 and c.per_byte >= 0 for c in self.in_step.values())
-                and all(w >= 0 for w in self.strategy_work.values())):
+                and all(w >= 0 for w in self.strategy_work.values())
+                and self.loop_seconds >= 0 and self.ledger_seconds >= 0):
             raise ValueError(f"a Machine needs flops > 0, beta > 0, alpha >= 0, "
                              f"adam_seconds, adam_tensor_seconds, dtensor_tensor_seconds >= 0, "
-                             f"in-step costs, strategy work >= 0 and 0 <= hiding <= 1, "
+                             f"in-step costs, strategy work, loop and ledger seconds >= 0 and "
+                             f"0 <= hiding <= 1, "
                              f"got {self}")
 
 
@@ -175,6 +184,8 @@ class StepPrediction:
         phases = [("forward", "forward"), ("backward", "backward"), ("step", "optimizer")]
         if "strategy" in self.compute:
             phases.append(("strategy", "strategy's own work"))
+        if "loop" in self.compute:
+            phases.append(("loop", "the loop's own work"))
         for phase, compute_name in phases:
             ops = [c for c in self.collectives if c.phase == phase]
             window = self.compute[phase] if phase != "step" else 0.0
@@ -387,7 +398,9 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:
         plan = planned_collectives(strategy, model, world, options, bytes_per_elem)
-    schedule = strategy_card.schedule
+    if machine.loop_seconds or machine.ledger_seconds:  # the loop's own work
+        compute["loop"] = machine.loop_seconds + machine.ledger_seconds * len(plan)
+    schedule = strategy_card.schedule_on(machine.gloo)
     overlap = strategy_card.gather_overlap_option
     collectives = []
     gathers = sum(1 for op, _ in plan if op == "all_gather")

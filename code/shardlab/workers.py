@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardlab import comm
 from shardlab.cards import CARDS, card
@@ -334,14 +333,17 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
     this rank's rows of a batch, AdamW's costs per element, per tensor and per DTensor
     (`stepparts.optimizer_costs`), how much of an all-reduce compute hides, how much
     each kind of collective's cost inside a step (`stepparts.collective_costs_in_step`),
-    α and β fitted to all-reduces and all-gathers, and the own work per parameter tensor
-    of each of `strategies` (`strategy_work`, on probes; every strategy with a schedule
-    when None)."""
+    α and β fitted to all-reduces and all-gathers, the own work per parameter tensor
+    of each of `strategies` (`probes.strategy_work`; every strategy with a schedule
+    when None), and the training loop's own work a step and its ledger's a collective
+    (`probes.loop_costs`, for a run of `batch_size` and `seq_len`)."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from shardlab.config import TrainConfig
     from shardlab.models import build_model, get_batch, loss_fn
+    from shardlab.probes import loop_costs, strategy_work
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
     from shardlab.rates import compute_rates, hiding_shares, slowest_rank
     from shardlab.steptime import Machine
@@ -376,127 +378,27 @@ def measure_machine(models: dict[str, tuple[str, dict | None]], batch_size: int 
         strategies = [name for name, c in CARDS.items()
                       if c.schedule is not None and not c.one_process]
     per_tensor, per_unit = strategy_work(strategies, machine, repeats=repeats)
-    machine = replace(machine, strategy_work=per_tensor, unit_work=per_unit)
+    loop = loop_costs(TrainConfig(world=world, batch_size=batch_size, seq_len=seq_len),
+                      repeats=repeats)
+    machine = replace(machine, strategy_work=per_tensor, unit_work=per_unit,
+                      loop_seconds=loop.per_step, ledger_seconds=loop.per_collective)
     return {label: replace(machine, flops=rate) for label, rate in rates.items()}
-
-
-# two probes of the strategies' own work: Linear layers of this width, this many of them;
-# and for a strategy of units, the larger cut in this many units
-PROBE_WIDTH, PROBE_LAYERS, PROBE_UNITS = 8, (8, 40), 8
-
-
-class ProbeUnit(nn.Sequential):
-    """Some of a probe's Linear layers, one unit of a strategy of units."""
-
-
-def strategy_work(strategies: list[str], machine, rows: int = 8,
-                  repeats: int = 5) -> tuple[dict, dict]:
-    """Run on every rank: each strategy's own work in a step, in seconds, per parameter
-    tensor and, for a strategy of units, per unit: what its step costs beyond the model's
-    forward and backward, its optimizer and its collectives as `machine` prices them
-    (hooks, copies into and out of buckets and flat buffers, views, DTensor's dispatch
-    under PyTorch's `fully_shard`, zeroing; and what a unit's gathers and reduce-scatters
-    cost beyond their lines, coming one after another in a step).
-
-    Measured on probes, never on the models it will predict: stacks of PROBE_LAYERS
-    Linear layers of PROBE_WIDTH features, whose matmuls and bytes are negligible. Per
-    tensor: the two stacks in one unit (`wrap="model"`), so that both launch the same
-    collectives (PyTorch's ZeRO-1 aside: it broadcasts each parameter, and the model prices
-    those); each stack's step under the strategy, less its bare forward, backward and SGD
-    step and less its collectives, is the strategy's work on it, and the difference over
-    the difference in parameter tensors is the work per tensor. Per unit: the larger stack
-    cut in PROBE_UNITS units against the same in one, the difference over the units added.
-    The steps are timed in turn, a round at a time, the median of the rounds; the ranks'
-    mean, per tensor at least 0. A unit's figure keeps its sign: it is what a unit adds
-    beyond its collectives' lines, and where a step's collectives, coming one after
-    another, cost less than those lines say (ranks already together), it is below 0.
-    Returns ({strategy: per tensor}, {strategy: per unit})."""
-    from shardlab.models import loss_fn
-    from shardlab.optimizers import OptimizerSpec
-    from shardlab.precision import get_precision
-    from shardlab.step import train_step
-    from shardlab.stepparts import median_seconds
-    from shardlab.steptime import (collective_seconds_on_machine, planned_collectives,
-                                   with_overlap_decided)
-    from shardlab.strategy import get_strategy
-    if not strategies:
-        return {}, {}
-    device, world = _device(), dist.get_world_size()
-    sgd = OptimizerSpec(torch.optim.SGD, {"lr": 0.0})
-    x = torch.randn(rows, PROBE_WIDTH, device=device)
-    y = torch.zeros(rows, dtype=torch.long, device=device)
-    small, large = PROBE_LAYERS
-
-    def probe(layers: int, units: int = 1) -> nn.Module:
-        linears = [nn.Linear(PROBE_WIDTH, PROBE_WIDTH) for _ in range(layers)]
-        if units == 1:
-            return nn.Sequential(*linears).to(device)
-        per = layers // units
-        return nn.Sequential(*(ProbeUnit(*linears[u * per:(u + 1) * per])
-                               for u in range(units))).to(device)
-
-    def bare(layers: int):
-        model = probe(layers)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        return lambda: (loss_fn(model(x), y).backward(), opt.step(), opt.zero_grad())
-
-    def under(name: str, model: nn.Module, options: dict):
-        wrapped = get_strategy(name)(model, get_precision("fp32"), sgd, options)
-        return lambda: train_step(wrapped, [(x, y)])
-
-    def collectives(name: str, model: nn.Module, options: dict) -> float:
-        decided = with_overlap_decided(name, options, dist.get_backend())
-        return sum(collective_seconds_on_machine(op, nbytes, world, machine)
-                   for op, nbytes in planned_collectives(name, model, world, decided))
-
-    per_tensor, per_unit = [], []
-    for name in strategies:
-        units = card(name).takes_units
-        one_unit = {"wrap": "model"} if units else {}
-        # (step, its bare counterpart, what its collectives cost by the machine's lines)
-        cases = [(under(name, probe(layers), one_unit), bare(layers),
-                  collectives(name, probe(layers), one_unit)) for layers in PROBE_LAYERS]
-        if units:
-            cut = {"wrap": (ProbeUnit,)}
-            cases.append((under(name, probe(large, PROBE_UNITS), cut), bare(large),
-                          collectives(name, probe(large, PROBE_UNITS), cut)))
-        for step, plain, _ in cases:
-            for run in (step, step, plain):  # warm-up: buffers, moments, connections
-                run()
-        rounds = []
-        for _ in range(repeats):
-            own = []
-            for step, plain, comm_seconds in cases:
-                dist.barrier()
-                t = median_seconds(step, 1)
-                dist.barrier()
-                own.append(t - median_seconds(plain, 1) - comm_seconds)
-            rounds.append(own)
-        own = [statistics.median(r[i] for r in rounds) for i in range(len(cases))]
-        per_tensor.append((own[1] - own[0]) / (2 * (large - small)))  # weight and bias
-        per_unit.append((own[2] - own[1]) / PROBE_UNITS if units else 0.0)
-    mean = torch.tensor(per_tensor + per_unit, dtype=torch.float64, device=device)
-    dist.all_reduce(mean)
-    mean = [w / world for w in mean.tolist()]
-    n = len(strategies)
-    # a unit's figure keeps its sign: where a step's collectives, one after another, cost
-    # less than their lines (timed each after compute) say, a unit adds less than them
-    return ({name: max(0.0, w) for name, w in zip(strategies, mean[:n])},
-            {name: w for name, w in zip(strategies, mean[n:]) if card(name).takes_units})
 
 
 def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     """Run on every rank: for each strategy, the tensors its optimizer steps on this rank
     once the model is wrapped (elements of each, DTensors or not), what the time model's
     layouts (`stepparts.stepped_tensors`) must list; and, measured small, AdamW's costs over
-    this world's mesh, each kind of collective inside a step and two strategies' own work;
-    and what `rates.slowest_rank` makes of rank r's r + 1 seconds."""
+    this world's mesh, each kind of collective inside a step, two strategies' own work and
+    the loop's; and what `rates.slowest_rank` makes of rank r's r + 1 seconds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from shardlab.config import TrainConfig
     from shardlab.models import build_model
     from shardlab.optimizers import OptimizerSpec, inner_optimizer
     from shardlab.precision import get_precision
+    from shardlab.probes import loop_costs, strategy_work
     from shardlab.rates import slowest_rank
     from shardlab.stepparts import collective_costs_in_step, optimizer_costs
     from shardlab.steptime import Machine
@@ -519,5 +421,7 @@ def optimizer_layouts(strategies: list[str], model: str = "gpt-tiny") -> dict:
     machine = Machine(flops=1.0, alpha=0.0, beta=1e9, adam_seconds=0.0, hiding=0.0,
                       in_step=out["in_step"])
     out["work"] = strategy_work(["ddp", "torch-fsdp2"], machine, repeats=1)
+    out["loop"] = loop_costs(TrainConfig(world=dist.get_world_size(), batch_size=4,
+                                         seq_len=8), repeats=1, calls=4)
     out["slowest"] = slowest_rank(float(dist.get_rank() + 1))
     return out
