@@ -177,6 +177,30 @@ def test_a_strategy_s_own_work_is_priced_per_unit_past_the_first(model):
     assert whole.compute["strategy"] == pytest.approx(28 * 1e-5)
 
 
+def test_a_unit_below_0_comes_off_the_collectives_not_the_compute(model):
+    """A unit's figure below 0 says a step's collectives cost less than their lines: the
+    step is shorter by it, taken off every collective in proportion, and the compute keeps
+    the work per tensor."""
+    from dataclasses import replace
+
+    from shardlab.wrap import unit_modules
+    plain = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=0.0)
+    units = len(unit_modules(model, "auto"))
+    lines = predict_step("zero3", model, 2, {}, replace(plain, strategy_work={"zero3": 1e-5}),
+                         tokens=128)
+    less = predict_step("zero3", model, 2, {}, replace(
+        plain, strategy_work={"zero3": 1e-5}, unit_work={"zero3": -1e-4}), tokens=128)
+    assert less.compute["strategy"] == pytest.approx(28 * 1e-5)
+    assert lines.comm_seconds - less.comm_seconds == pytest.approx((units - 1) * 1e-4)
+    ratios = {c.seconds / d.seconds for c, d in zip(less.collectives, lines.collectives)}
+    assert max(ratios) == pytest.approx(min(ratios))  # each by its share
+    assert lines.step_seconds - less.step_seconds == pytest.approx((units - 1) * 1e-4)
+    # never below nothing
+    none = predict_step("zero3", model, 2, {}, replace(plain, unit_work={"zero3": -1.0}),
+                        tokens=128)
+    assert none.comm_seconds == 0.0 and "strategy" not in none.compute
+
+
 def test_the_loop_s_own_work_is_measured_alike_on_every_rank(wrapped):
     loops = [out["loop"] for out in wrapped]
     assert loops[0] == loops[1]

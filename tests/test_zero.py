@@ -226,8 +226,9 @@ def test_refuses_a_model_that_differs_across_ranks(launched):
 def test_zero_optimizer_builds_the_stage_it_is_given(launched):
     """`ZeroOptimizer(params, torch.optim.AdamW, stage=s)`, the way outside code builds
     it, trains 5 steps like one process's AdamW on the whole batch, with the stage's
-    gradients: whole until the step (1; zeroed by the optimizer or by `model.zero_grad()` in
-    turn) or reduced in backward (2)."""
+    gradients: whole until the step (1) or reduced in backward (2), zeroed by the optimizer
+    or by `model.zero_grad()` in turn (stage 2's shard, which the model cannot reach, is
+    zeroed by its step)."""
     for r in (rank["by_hand"] for rank in launched[1]):
         assert r[1]["reducer"] == "StepReducer" and r[2]["reducer"] == "BackwardReducer"
         # stage 1's step frees the full gradients (its all-gather used their buffer),

@@ -120,10 +120,10 @@ def built_by_hand(steps: int = 5) -> dict:
             loss_fn(model(x), y).backward()
             ours.step()
             freed.append(all(p.grad is None for p in model.parameters()))
-            # stage 1, every other step, zeroed the way a model is: it then finds .grad
-            # tensors of backward's own, over a flat buffer the step used as scratch
-            # (stage 2's gradient is the optimizer's shard: only its zero_grad() zeroes it)
-            ours.zero_grad() if stage == 2 or step % 2 == 0 else model.zero_grad()
+            # every other step, zeroed the way a model is: stage 1 then finds .grad
+            # tensors of backward's own, over a flat buffer the step used as scratch;
+            # stage 2's gradient is the optimizer's shard, which its step zeroed
+            ours.zero_grad() if step % 2 == 0 else model.zero_grad()
             x, y = get_batch(step, 0, 1, 12, 16)
             loss_fn(single(x), y).backward()
             theirs.step()

@@ -90,7 +90,8 @@ class Machine:
                                    # measured on probes (`probes.strategy_work`)
     unit_work: dict[str, float] = field(default_factory=dict)
                                    # and per unit past the first, for a strategy of units:
-                                   # beyond its collectives' lines, so of either sign
+                                   # beyond its collectives' lines, so of either sign (below
+                                   # 0 it comes off the collectives, not the compute)
     loop_seconds: float = 0.0      # the training loop's own work a step (its clock,
                                    # its batch, its loss's scale), and what its ledger
     ledger_seconds: float = 0.0    # adds to each collective (`probes.loop_costs`): 0
@@ -390,10 +391,14 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     if strategy in machine.strategy_work:  # the strategy's own work, per parameter tensor
         compute["strategy"] = machine.strategy_work[strategy] * sum(
             1 for p in model.parameters() if p.requires_grad)
-    if strategy in machine.unit_work and world > 1:  # and per unit past the first
-        units = len(unit_modules(model, options.get("wrap", "auto")))
-        compute["strategy"] = max(0.0, compute.get("strategy", 0.0)
-                                  + machine.unit_work[strategy] * (units - 1))
+    # and per unit past the first: work where it is above 0; below 0 it is what a step's
+    # collectives, one after another with the ranks already together, cost less than
+    # their lines, and it comes off them (below)
+    per_unit = machine.unit_work.get(strategy, 0.0) if world > 1 else 0.0
+    units_past_first = (len(unit_modules(model, options.get("wrap", "auto"))) - 1
+                        if per_unit else 0)
+    if per_unit > 0:
+        compute["strategy"] = compute.get("strategy", 0.0) + per_unit * units_past_first
     if ledger is not None:
         plan = [(r.op.removeprefix("ring_"), r.logical_bytes) for r in ledger]
     else:
@@ -414,6 +419,11 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
             where = ("step", "waited")
         seconds = collective_seconds_on_machine(op, nbytes, world, machine)
         collectives.append(Collective(op, nbytes, *where, seconds))
+    lines = sum(c.seconds for c in collectives)
+    if per_unit < 0 and lines > 0:  # each collective less, in proportion to its line
+        kept = max(0.0, 1 + per_unit * units_past_first / lines)
+        for c in collectives:
+            c.seconds *= kept
     exposed = {phase: exposed_seconds([c for c in collectives if c.phase == phase],
                                       compute[phase] if phase != "step" else 0.0,
                                       machine.hiding)

@@ -48,7 +48,7 @@ class BackwardReducer:
         # Reduce first the bucket whose parameters come last in the model: its gradients
         # are complete first.
         self.in_backward_order = in_backward_order(buckets, param_order)
-        # A persistent buffer by design: zeroed by zero_grad(), never freed.
+        # A persistent buffer by design: zeroed by the step and by zero_grad(), never freed.
         self.grad_shards = [torch.zeros(g.shard_numel, dtype=g.flat_param.dtype,
                                         device=g.flat_param.device) for g in groups]
         self.buffers: dict[Bucket, torch.Tensor] = {}   # buckets being filled
@@ -77,8 +77,14 @@ class BackwardReducer:
         """The gradients kept between steps (what `shardlab.measure` counts)."""
         return self.grad_shards
 
+    @torch.no_grad()
     def free_after_step(self, gi: int) -> None:
-        """No whole-size buffer is free after the step here (only my shard is kept)."""
+        """The step consumed group `gi`'s gradient: its shard is zeroed here, as stage 1's
+        step frees its full gradients and DeepSpeed's step frees both stages' (the same
+        `step` in deepspeed/runtime/zero/stage_1_and_2.py), so that zeroing the model
+        (`model.zero_grad()`, which cannot reach this shard) is as good as zeroing the
+        optimizer. No whole-size buffer is free after the step here: returns None."""
+        self.grad_shards[gi].zero_()
         return None
 
     # ------------------------------------------------------------------ backward hooks
