@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                    help="the model sizes to run (default: all three)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10, help="steps per run (the first "
+    p.add_argument("--steps", type=int, default=20, help="steps per run (the first "
                    f"{WARMUP} and the last "
                    "left out of the timing)")
     p.add_argument("--batch-size", type=int, default=8)
