@@ -224,7 +224,7 @@ CARDS: dict[str, StrategyCard] = {c.name: c for c in [
         # FSDP2 calls its all-gathers (`unshard_async_op`, False by default) and its
         # reduce-scatters with async_op=False (`foreach_all_gather`, `foreach_reduce` in
         # torch/distributed/fsdp/_fully_shard/): on gloo each call returns when its
-        # collective is done, prefetch included (tests/test_steptime.py watches the calls)
+        # collective is done, prefetch included (tests/test_stepparts.py watches the calls)
         gloo_schedule={"all_gather": (("forward", "waited"), ("backward", "waited")),
                        "reduce_scatter": ("backward", "waited")},
         plan="units", sharded_step=True, muon_designs=("gather", "owner"),

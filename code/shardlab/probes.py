@@ -152,9 +152,9 @@ def loop_costs(config: TrainConfig, repeats: int = 5, calls: int = 20) -> LoopCo
 
     Per step: the loop's step of a `ByteModel` (under the loop's `Measurement`, its batch
     read by `MicroBatches`, its loss scaled by `loss_of`) less the same model's bare
-    `train_step` on a batch already read. Per collective: `calls` small all-reduces, each
-    waited, with a ledger open less the same without one, over `calls`. Each is timed in
-    turn, `repeats` rounds, a barrier before each timing; the median of the rounds'
+    `train_step` on a batch already read. Per collective: a small all-reduce, waited, with
+    a ledger open less the same without one, each the median of `calls` timed calls. Each
+    is timed in turn, `repeats` rounds, a barrier before each; the median of the rounds'
     differences, the ranks' mean, at least 0 (0 per collective when `config` records no
     ledger)."""
     device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
@@ -164,7 +164,10 @@ def loop_costs(config: TrainConfig, repeats: int = 5, calls: int = 20) -> LoopCo
                                      OptimizerSpec(torch.optim.SGD, {"lr": 0.0}), {})
     batch = MicroBatches(config, 0, rank, world, device)
     ready = [batch[i] for i in range(len(batch))]
-    measured = Measurement(config, wrapped, 0, rank, device, None)
+    # the loop's step without its ledger: the step records no collective, and a ledger
+    # open around the probe would record the all-reduces timed without one below
+    measured = Measurement(replace(config, record_ledger=False), wrapped, 0, rank, device,
+                           None)
     x = torch.ones(16, device=device)
 
     def looped():
@@ -176,27 +179,33 @@ def loop_costs(config: TrainConfig, repeats: int = 5, calls: int = 20) -> LoopCo
     def bare():
         train_step(wrapped, ready)
 
-    def all_reduces():
-        for _ in range(calls):
-            dist.all_reduce(x, async_op=True).wait()
+    def all_reduce():
+        dist.all_reduce(x, async_op=True).wait()
 
-    def ledgered():
+    def one_call(ledgered: bool) -> float:
+        """The median of `calls` all-reduces, each timed: one slow call (a rank the
+        scheduler ran late) does not move it."""
+        if not ledgered:
+            return median_seconds(all_reduce, calls)
         with Ledger():
-            all_reduces()
+            return median_seconds(all_reduce, calls)
 
-    cases = [looped, bare] + ([ledgered, all_reduces] if config.record_ledger else [])
+    for run in (looped, bare, all_reduce):  # warm-up: buffers, connections
+        run()
+    one_call(True)  # and the ledger's kernels
     rounds = []
-    with measured:
-        for run in cases:  # warm-up: buffers, the ledger's kernels, connections
-            run()
-        for _ in range(repeats):
-            timed = []
-            for run in cases:
+    for _ in range(repeats):
+        timed = []
+        for run in (looped, bare):
+            dist.barrier()
+            timed.append(median_seconds(run, 1))
+        if config.record_ledger:
+            for ledgered in (True, False):
                 dist.barrier()
-                timed.append(median_seconds(run, 1))
-            rounds.append(timed)
+                timed.append(one_call(ledgered))
+        rounds.append(timed)
     per_step = statistics.median(r[0] - r[1] for r in rounds)
-    per_call = (statistics.median(r[2] - r[3] for r in rounds) / calls
+    per_call = (statistics.median(r[2] - r[3] for r in rounds)
                 if config.record_ledger else 0.0)
     mean = torch.tensor([per_step, per_call], dtype=torch.float64, device=device)
     dist.all_reduce(mean)
