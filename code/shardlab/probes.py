@@ -153,7 +153,9 @@ def loop_costs(config: TrainConfig, repeats: int = 5, calls: int = 20) -> LoopCo
     Per step: the loop's step of a `ByteModel` (under the loop's `Measurement`, its batch
     read by `MicroBatches`, its loss scaled by `loss_of`) less the same model's bare
     `train_step` on a batch already read. Per collective: a small all-reduce, waited, with
-    a ledger open less the same without one, each the median of `calls` timed calls. Each
+    a ledger open less the same without one, each the median of `calls` timed calls, every
+    rank at once, each in a group of its own (what the ledger does a call, without one
+    rank's wait for another). Each
     is timed in turn, `repeats` rounds, a barrier before each; the median of the rounds'
     differences, the ranks' mean, at least 0 (0 per collective when `config` records no
     ledger)."""
@@ -179,8 +181,13 @@ def loop_costs(config: TrainConfig, repeats: int = 5, calls: int = 20) -> LoopCo
     def bare():
         train_step(wrapped, ready)
 
+    # each rank all-reduces in a group of its own: the ledger records those calls like any
+    # other, and no rank waits for another to be scheduled (on ranks sharing cores that
+    # wait, not the ledger, would decide the difference)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+
     def all_reduce():
-        dist.all_reduce(x, async_op=True).wait()
+        dist.all_reduce(x, group=alone, async_op=True).wait()
 
     def one_call(ledgered: bool) -> float:
         """The median of `calls` all-reduces, each timed: one slow call (a rank the
