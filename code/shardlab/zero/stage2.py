@@ -51,6 +51,9 @@ class BackwardReducer:
         # A persistent buffer by design: zeroed by the step and by zero_grad(), never freed.
         self.grad_shards = [torch.zeros(g.shard_numel, dtype=g.flat_param.dtype,
                                         device=g.flat_param.device) for g in groups]
+        # whether each shard is zero still (no backward since it was zeroed): the step
+        # zeroes it, and zero_grad() after the step need not write it again
+        self.zeroed = [True] * len(groups)
         self.buffers: dict[Bucket, torch.Tensor] = {}   # buckets being filled
         self.waiting: dict[Bucket, set[int]] = {}       # their parameters without a gradient
         self.in_flight: list[tuple[Bucket, torch.Tensor, Any]] = []   # (bucket, my chunk, work)
@@ -70,8 +73,10 @@ class BackwardReducer:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        for shard in self.grad_shards:
-            shard.zero_()
+        for gi, shard in enumerate(self.grad_shards):
+            if not self.zeroed[gi]:
+                shard.zero_()
+                self.zeroed[gi] = True
 
     def kept(self) -> list[torch.Tensor]:
         """The gradients kept between steps (what `shardlab.measure` counts)."""
@@ -84,7 +89,9 @@ class BackwardReducer:
         `step` in deepspeed/runtime/zero/stage_1_and_2.py), so that zeroing the model
         (`model.zero_grad()`, which cannot reach this shard) is as good as zeroing the
         optimizer. No whole-size buffer is free after the step here: returns None."""
-        self.grad_shards[gi].zero_()
+        if not self.zeroed[gi]:
+            self.grad_shards[gi].zero_()
+            self.zeroed[gi] = True
         return None
 
     # ------------------------------------------------------------------ backward hooks
@@ -100,6 +107,7 @@ class BackwardReducer:
             # Once per backward, after its last hook: reduce what is left (parameters that
             # took no part in this step count as zero gradients) and reset the buckets.
             self.in_backward = True
+            self.zeroed = [False] * len(self.groups)  # this backward adds into them
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         # The previous full gradient goes now, not in its own hook: hooks registered later
         # (a memory tracker's) must still find it.
