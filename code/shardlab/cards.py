@@ -116,8 +116,9 @@ class StrategyCard:
     # forward. None: no time model.
     schedule: Schedule | None = None
     # Where the schedule differs on gloo (None: it does not): a collective called without
-    # async_op blocks the calling thread there until it is done, where on NCCL it only
-    # orders CUDA streams and the host runs ahead.
+    # async_op blocks the calling thread there until it is done, where on NCCL its wait
+    # only orders CUDA streams and the host runs ahead (the notes on WorkNCCL's wait in
+    # torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp).
     gloo_schedule: Schedule | None = None
     plan: str | None = None
     sharded_step: bool = False
