@@ -51,7 +51,7 @@ LAYERS = {
         "checkpoint.failures", "checkpoint.lock",
         "modelio", "modelio.hf_files", "modelio.meta", "modelio.export", "modelio.host_memory",
         "many_ranks.measured", "many_ranks.figure"},
-    5: {"config", "loop_concerns", "train", "workers", "cli", "__main__", "hang_runs",
+    5: {"config", "loop_concerns", "train", "workers", "probes", "cli", "__main__", "hang_runs",
         "muon_runs", "many_ranks", "many_ranks.runs", "infinity_runs"},
 }
 
