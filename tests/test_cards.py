@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shardlab import comm, steptime
+from shardlab import comm, plans
 from shardlab.cards import CARDS, DEEPSPEED, OURS, PYTORCH, SINGLE_PROCESS, card, names
 from shardlab.cli import _config, build_parser
 from shardlab.deepspeed_ref import deepspeed_missing
@@ -117,7 +117,7 @@ def test_a_volume_factor_and_a_schedule_go_together():
         if c.schedule is None:
             assert not c.sharded_step and c.gather_overlap_option is None, name
             continue
-        assert c.plan in steptime.PLANS, (name, c.plan)
+        assert c.plan in plans.PLANS, (name, c.plan)
         for schedule in (c.schedule, c.gloo_schedule or {}):
             for op, where in schedule.items():
                 places = where if isinstance(where[0], tuple) else (where,)

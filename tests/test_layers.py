@@ -24,7 +24,7 @@ LAYERS = {
     1: {"launch", "launch.errors", "launch.devices", "launch.hygiene", "launch.launcher",
         "launch.starter", "launch.blame", "launch.carry", "launch.torchrun", "launch.quiet",
         "launch.recorders", "launch.in_forkserver", "rendezvous",
-        "precision", "measure", "clock", "vocabulary", "arguments", "hardware", "network", "steptime", "stepparts", "rates", "scaling", "models", "wrap", "manifest", "faults",
+        "precision", "measure", "clock", "vocabulary", "arguments", "hardware", "network", "plans", "steptime", "stepparts", "rates", "scaling", "models", "wrap", "manifest", "faults",
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0", "memory.accumulation",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",

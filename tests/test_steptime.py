@@ -24,7 +24,8 @@ from shardlab.comm import CollectiveRecord
 from shardlab.models import build_model
 from shardlab.report import RunReport, production_metrics
 from shardlab.rates import matmul_rate
-from shardlab.steptime import PLANS, Machine, exposed_seconds, planned_collectives, predict_step
+from shardlab.plans import PLANS, planned_collectives
+from shardlab.steptime import Machine, exposed_seconds, predict_step
 
 MACHINE = Machine(flops=1e9, alpha=1e-4, beta=1e8, adam_seconds=1e-8, hiding=1.0, gloo=False)
 WORLD = 4

@@ -109,7 +109,7 @@ class StrategyCard:
     volume_factor: int | None = None
     collectives: str | None = None      # the collectives of a step, in words
     # The time model (`steptime.predict_step`): where each collective runs (see Schedule),
-    # the rule that lists one step's collectives (`steptime.PLANS`), whether the optimizer
+    # the rule that lists one step's collectives (`plans.PLANS`), whether the optimizer
     # steps Ψ/N parameters (sharded) rather than Ψ, and the option that, set to False (or
     # left to "auto" on gloo: `steptime.with_overlap_decided`), waits for the all-gather
     # of the updated parameters in the step instead of overlapping it with the next

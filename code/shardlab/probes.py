@@ -24,8 +24,8 @@ from shardlab.optimizers import OptimizerSpec
 from shardlab.precision import get_precision
 from shardlab.step import train_step
 from shardlab.stepparts import median_seconds
-from shardlab.steptime import (collective_seconds_on_machine, planned_collectives,
-                               with_overlap_decided)
+from shardlab.plans import planned_collectives
+from shardlab.steptime import collective_seconds_on_machine, with_overlap_decided
 from shardlab.strategy import get_strategy
 from shardlab.train import MicroBatches, loss_of
 

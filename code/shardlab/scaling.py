@@ -6,7 +6,7 @@ of a measured machine:
     compute      6ΨT / (m · peak): the H100's bf16 datasheet peak (`shardlab.hardware`)
                  times an MFU m the caller states (an assumption: the course has measured
                  no cluster's)
-    collectives  each collective the strategy plans (`steptime.planned_collectives`),
+    collectives  each collective the strategy plans (`plans.planned_collectives`),
                  priced on GPUs in nodes (`network.collective_seconds_on_cluster`): a ring
                  inside one node runs on NVLink; across nodes it takes the longer of its
                  NVLink hops and the node's bytes over its NICs; each round pays α

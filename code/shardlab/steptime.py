@@ -12,7 +12,8 @@ what of the communication the strategy's schedule leaves exposed.
                     the strategy's own work (hooks, copies, dispatch) per parameter tensor
                     and per unit, and the training loop's own work a step and its
                     ledger's a collective, each measured on probes (`shardlab.probes`)
-    communication   each collective, kind and size as the ledger records them, by its
+    communication   each collective, kind and size as the ledger records them (listed
+                    by the strategy's rule, `shardlab.plans`), by its
                     kind's cost measured inside a step (`stepparts`: after compute, no
                     barrier, so arrival skew and copies beside compute are in it); on a
                     machine without that measurement (a GPU the course has not run on),
@@ -56,11 +57,11 @@ import torch
 from torch import nn
 
 from shardlab import hardware
-from shardlab.cards import CARDS, StrategyCard
+from shardlab.cards import CARDS
 from shardlab.comm.records import CollectiveRecord
 from shardlab.comm.volumes import predict_seconds
+from shardlab.plans import planned_collectives, timed_card
 from shardlab.stepparts import InStepCost, OptimizerCosts, optimizer_seconds
-from shardlab.units import MiB
 from shardlab.wrap import unit_modules
 
 
@@ -210,99 +211,6 @@ class StepPrediction:
         return spans
 
 
-# The rules that list one step's collectives, (op, bytes of the whole tensor) in launch
-# order, from a strategy's options alone; a card names its rule (`StrategyCard.plan`).
-Plan = Callable[[nn.Module, list[nn.Parameter], dict, int], list[tuple[str, int]]]
-
-
-def _buckets(nbytes: int, first_mb: float, mb: float) -> list[int]:
-    """`nbytes` cut into buckets: the first `first_mb`, then `mb` each."""
-    out, left, limit = [], nbytes, first_mb * MiB
-    while left > 0:
-        out.append(int(min(left, limit)))
-        left -= out[-1]
-        limit = mb * MiB
-    return out
-
-
-def _ddp_buckets(model, params, options, bytes_per_elem):
-    """DDP's buckets of `bucket_mb`, all-reduced (the first of `first_bucket_mb` if set)."""
-    total = sum(p.numel() for p in params) * bytes_per_elem
-    mb = options.get("bucket_mb", 25.0)
-    first = options.get("first_bucket_mb")
-    return [("all_reduce", b) for b in _buckets(total, mb if first is None else first, mb)]
-
-
-def _ddp_buckets_then_broadcasts(model, params, options, bytes_per_elem):
-    """DDP's buckets, then each parameter broadcast by the rank that stepped it
-    (PyTorch's ZeroRedundancyOptimizer)."""
-    return (_ddp_buckets(model, params, options, bytes_per_elem)
-            + [("broadcast", p.numel() * bytes_per_elem) for p in params])
-
-
-def _per_parameter(model, params, options, bytes_per_elem):
-    """One all-reduce per parameter (naive DDP)."""
-    return [("all_reduce", p.numel() * bytes_per_elem) for p in params]
-
-
-def _zero_buckets(model, params, options, bytes_per_elem):
-    """ZeRO-1/2's buckets of `bucket_mb`: each reduce-scattered (or all-reduced, with
-    `gradient_collective="all-reduce"`); the updated parameters all-gathered bucket by
-    bucket when overlapped (as on NCCL, where "auto" is left undecided:
-    `with_overlap_decided`), else in one collective (`shardlab.zero.gather`)."""
-    mb = options.get("bucket_mb", 25.0)
-    zero = _buckets(sum(p.numel() for p in params) * bytes_per_elem, mb, mb)
-    gathers = zero if options.get("overlap_all_gather", "auto") else [sum(zero)]
-    reduce = options.get("gradient_collective", "reduce-scatter").replace("-", "_")
-    return [(reduce, b) for b in zero] + [("all_gather", b) for b in gathers]
-
-
-def _units(model, params, options, bytes_per_elem):
-    """ZeRO-3/FSDP2's units (the `wrap` option): each gathered in forward (the root
-    first) and in backward (the root last), and its gradients reduce-scattered."""
-    units, seen = [], set()
-    for unit in unit_modules(model, options.get("wrap", "auto")):
-        own = [p for p in unit.parameters() if id(p) not in seen]
-        seen |= {id(p) for p in own}
-        units.append(sum(p.numel() for p in own if p.requires_grad) * bytes_per_elem)
-    forward = [("all_gather", b) for b in units[::-1]]     # the root first
-    backward = [("all_gather", b) for b in units]          # the root last
-    return forward + backward + [("reduce_scatter", b) for b in units]
-
-
-PLANS: dict[str, Plan] = {
-    "none": lambda model, params, options, bytes_per_elem: [],
-    "ddp-buckets": _ddp_buckets,
-    "ddp-buckets-then-broadcasts": _ddp_buckets_then_broadcasts,
-    "per-parameter": _per_parameter,
-    "zero-buckets": _zero_buckets,
-    "units": _units,
-}
-
-
-def _timed_card(strategy: str) -> StrategyCard:
-    """The card of a strategy the time model knows (one with a schedule), or a one-line
-    refusal naming those it knows."""
-    found = CARDS.get(strategy)
-    if found is None or found.schedule is None:
-        raise ValueError(f"no step-time schedule for strategy {strategy!r}; use one of "
-                         f"{sorted(n for n, c in CARDS.items() if c.schedule is not None)}")
-    return found
-
-
-def planned_collectives(strategy: str, model: nn.Module, world: int, options: dict,
-                        bytes_per_elem: int = 4) -> list[tuple[str, int]]:
-    """(op, bytes of the whole tensor) of one step, in launch order, from the strategy's
-    rules alone (what the ledger will record, up to buckets' edges on parameter borders):
-    DDP's buckets (the first `first_bucket_mb`, then `bucket_mb`), ZeRO-1/2's buckets,
-    ZeRO-3/FSDP2's units (each gathered in forward and in backward)."""
-    plan = PLANS[_timed_card(strategy).plan]
-    if world < 2:
-        return []
-    params = [p for p in model.parameters() if p.requires_grad]
-    return plan(model, params, options, bytes_per_elem)
-
-
 def collective_seconds_on_machine(op: str, nbytes: int, world: int,
                                   machine: Machine) -> float:
     """Seconds of one collective over a tensor of `nbytes` inside a step: its kind's
@@ -371,7 +279,7 @@ def predict_step(strategy: str, model: nn.Module, world: int, options: dict | No
     The collectives are the ledger's records of one step when given (their kind and
     logical bytes), else those the strategy's rules plan (`planned_collectives`).
     """
-    strategy_card = _timed_card(strategy)
+    strategy_card = timed_card(strategy)
     if world < 1 or tokens < 1:
         raise ValueError(f"need world >= 1 and tokens >= 1, got world={world}, "
                          f"tokens={tokens}")
