@@ -92,10 +92,58 @@ def test_the_table_beside_deepspeed():
 
 def test_the_load_beside_the_tables():
     """The machine's load while the tables were measured, as the files recorded it."""
-    for against in ("pytorch", "deepspeed"):
+    for against in ("pytorch", "deepspeed", "same-ranks"):
         for suffix in BUCKETS.values():
             load = results(f"{against}-{suffix}")["setup"]["load_average"]
             assert f"{load['start'][0]:.2f} to {load['end'][0]:.2f}" in FLAT, (against, suffix)
+
+
+def test_the_table_in_the_same_ranks():
+    """`bench_same_ranks.py`'s rows, and what the prose says of their losses: exactly equal
+    on 2 ranks, within 10^-4 on 4."""
+    expected = rows_against("same-ranks")
+    rows = table_rows("| ours | PyTorch's | ranks | buckets | step: ours / theirs |")
+    assert {(strategy(r[0]), r[2], r[3]) for r in rows} == set(expected)
+    for ours_cell, theirs_cell, ranks, buckets, step, ratio, loss_diff in rows:
+        row = expected[strategy(ours_cell), ranks, buckets]
+        assert row["reference"] == strategy(theirs_cell)
+        assert step == f"{row['step_ms']:.1f} / {row['theirs']['step_ms']:.1f} ms"
+        assert ratio == f"**{row['ratio']:.2f}** ({row['ratio_q1']:.2f}–{row['ratio_q3']:.2f})"
+        assert loss_diff == f"{row['loss_diff']:.1e}"
+    assert all(row["loss_diff"] == 0 for (_, ranks, _), row in expected.items() if ranks == "2")
+    launches = rows_against("pytorch")
+    inside = sum(launches[key]["ratio_min"] <= row["ratio"] <= launches[key]["ratio_max"]
+                 for key, row in expected.items())
+    assert f"{inside} of the {len(expected)} ratios here inside the range" in FLAT
+    sharded = [r for rows in (expected, launches) for (name, _, _), r in rows.items()
+               if name != "ddp"]
+    assert ("every sharded row below 1 in both" in FLAT) == all(r["ratio"] < 1 for r in sharded)
+    assert all(row["loss_diff"] < 1e-4 for row in expected.values())
+
+
+def test_what_the_prose_says_of_ddp_against_torch_ddp():
+    """The figures the paragraph on `ddp` quotes, from the files of both benchmarks; and it
+    says "not reliably below" only while some row is above 1."""
+    launches = {(w, b): r for (name, w, b), r in rows_against("pytorch").items() if name == "ddp"}
+    same = {(w, b): r for (name, w, b), r in rows_against("same-ranks").items() if name == "ddp"}
+    small, big = BUCKETS
+    for rows, sentence in (
+            (launches, "`ddp` at {} on 2 ranks and {} on 4 with 2²⁰-element buckets, {} and {} "
+                       "with 25 MB"),
+            (same, "there `ddp` is at {} and {} with 2²⁰-element buckets and {} and {} with 25 "
+                   "MB")):
+        figures = [f"{rows[w, b]['ratio']:.2f}" for b in (small, big) for w in ("2", "4")]
+        assert sentence.format(*figures) in FLAT, sentence
+    spreads = [r["max_ms"] / r["min_ms"] - 1 for suffix in BUCKETS.values()
+               for table in results(f"pytorch-{suffix}")["worlds"].values()
+               for r in table["rows"].values()]
+    assert f"repetitions in the tables above lie {100 * min(spreads):.0f}–{100 * max(spreads):.0f}% apart" \
+        in FLAT
+    least = min(r["ratio_min"] for r in launches.values())
+    most = max(r["ratio_max"] for r in launches.values())
+    assert f"anywhere from {least:.2f} to {most:.2f}" in FLAT
+    above = any(r["ratio"] > 1 for r in [*launches.values(), *same.values()])
+    assert ("`ddp` is not reliably below `torch-ddp`" in FLAT) == above
 
 
 def test_the_overlap_table_and_its_prose():
