@@ -67,10 +67,11 @@ def same_ranks_worker(configs: dict[str, TrainConfig], rounds: int
     for round_ in range(rounds):
         for name in turn_order(list(configs), round_):
             config = configs[name]
-            batches = MicroBatches(config, round_, rank, world, device)
+            batches = MicroBatches(config, round_, rank, world, device)  # read in the step
+            scaled = loss_of(config, round_, world)
             dist.barrier()
             start = time.perf_counter()
-            loss = train_step(wrapped[name], batches, loss_of(config, round_, world))
+            loss = train_step(wrapped[name], batches, scaled)
             if device.type == "cuda":  # the step is over when the GPU's queue is
                 torch.cuda.synchronize(device)
             seconds[name].append(time.perf_counter() - start)
