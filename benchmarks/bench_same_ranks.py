@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from bench_strategies import parse_options, reference_of, write_results
+from bench_strategies import add_run_arguments, parse_options, reference_of, write_results
 from shardlab.cards import CARDS
 from shardlab.config import TrainConfig
 from shardlab.launch import launch
@@ -133,13 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds of one step of every strategy (default 40)")
     p.add_argument("--warmup", type=int, default=5,
                    help="rounds at the start left out of the timing (default 5)")
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--option", action="append", default=[], metavar="STRATEGY:KEY=VALUE")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--against", default="pytorch", choices=("pytorch", "deepspeed"))
+    add_run_arguments(p)
     p.add_argument("--results", metavar="PATH",
                    help="write the printed tables as JSON (benchmarks/results/*.json: the "
                         "files the README's tables are checked against)")

@@ -125,6 +125,19 @@ def print_table(title: str, rows: dict[str, dict]) -> None:
               f"{r['sent_mib_per_step']:>14.2f}")
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What every run of a comparison shares: model, precision, batch, per-strategy
+    options, backend, and whose implementation a ratio compares with."""
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--option", action="append", default=[], metavar="STRATEGY:KEY=VALUE")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--against", default="pytorch", choices=AGAINST,
+                   help="whose implementation the ratio compares with")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
@@ -138,14 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--warmup ones and the last are left out of the timing)")
     p.add_argument("--warmup", type=int, default=1,
                    help="steps at the start left out of the timing (default 1)")
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--option", action="append", default=[], metavar="STRATEGY:KEY=VALUE")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--against", default="pytorch", choices=AGAINST,
-                   help="whose implementation the ratio compares with")
+    add_run_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
     p.add_argument("--results", metavar="PATH",
                    help="write the printed table as JSON (benchmarks/results/*.json: the "
