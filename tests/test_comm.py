@@ -181,3 +181,39 @@ def test_bad_arguments_are_refused_before_communicating():
         comm.volume_per_rank("zero4", 10, 2)
     with pytest.raises(ValueError, match="unknown collective"):
         comm.ring_traffic("scatter", 10, 2, 4)
+
+
+def gathered_by_c10d_and_by_dtensor() -> list[str]:
+    """`comm.full_tensor.gather_shards` (c10d's all-gather, the path taken over gloo with
+    CUDA tensors, where PyTorch's `full_tensor()` crashed) against `full_tensor()` on the
+    CPU: 1-D and 2-D meshes, uneven shards (empty pieces included), any tensor dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from shardlab.comm.full_tensor import full_tensor, gather_shards
+
+    flat, square = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    cases = [(flat, (5, 3), [Shard(0)]), (flat, (3, 7), [Shard(1)]), (flat, (1,), [Shard(0)]),
+             (flat, (8, 2), [Shard(0)]), (flat, (4, 2), [Replicate()]),
+             (square, (5, 3), [Replicate(), Shard(0)]),   # HSDP's placement
+             (square, (3, 5), [Shard(0), Shard(1)]), (square, (7, 2), [Shard(1), Shard(0)])]
+    wrong = []
+    for mesh, shape, placements in cases:
+        whole = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        t = distribute_tensor(whole, mesh, placements).requires_grad_()  # a parameter's
+        for name, got in (("gather_shards", gather_shards(t)), ("full_tensor", full_tensor(t))):
+            if not torch.equal(got.detach(), whole):
+                wrong.append(f"{name} {shape} {placements}: {got.tolist()}")
+    partial = DTensor.from_local(torch.ones(2), flat, [Partial()])
+    try:
+        gather_shards(partial)
+        wrong.append("a Partial tensor was gathered, not refused")
+    except ValueError as exc:
+        if "Partial" not in str(exc):
+            wrong.append(f"the refusal does not name the placement: {exc}")
+    return wrong
+
+
+def test_a_dtensor_gathered_by_c10d_equals_its_full_tensor():
+    results = launch(gathered_by_c10d_and_by_dtensor, 4, backend="gloo", timeout=120)
+    assert results == [[]] * 4, results[0]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardlab import gpu_record
+from shardlab.config import TrainConfig
 from shardlab.memory import get_model
 from shardlab.models import build_model
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import gpu_check  # noqa: E402
 import gpu_check_items  # noqa: E402
+import gpu_check_runs  # noqa: E402
 
 DRY = gpu_check_items.DRY
 
@@ -178,6 +180,22 @@ def test_the_memory_experiment_is_gpt2_small_as_the_planner_counts_it():
         < exp.predicted(0, False, rows + 1).total
 
 
+def test_every_strategy_the_gpu_runs_is_configured_as_it_accepts():
+    """The dry run trains two strategies; the GPU trains every one of the registry, each
+    with the options `options_for` gives it. Each such config must pass the checks made
+    before any rank starts, or the GPU run records a refusal where it should record a
+    run (the first GPU run gave ZeRO++ HSDP's `shard_group`)."""
+    names, _ = gpu_check_items.strategy_names(gpu_check_items.GPU)
+    assert len(names) >= 14
+    for world in gpu_check_items.GPU.worlds:
+        for name in names:
+            if name == "single" and world > 1:
+                continue
+            config = TrainConfig(strategy=name, world=world, model=gpu_check_items.GPU.model,
+                                 options=gpu_check_runs.options_for(name, world))
+            config.validate()  # raises ValueError, as launch_cases records it
+
+
 def test_the_committed_record_is_a_gpu_run():
     """The course shows what is committed: a dry run on a CPU must never be committed."""
     record = gpu_record.load_record()
@@ -241,3 +259,28 @@ def test_the_readme_states_the_command_the_budget_and_every_item_as_the_check_ru
         assert figure in readme, figure
     for ours, theirs in gpu_check_items.REFERENCES.items():
         assert f"`{ours}`" in readme and f"`{theirs}`" in readme
+
+
+def test_the_peak_replay_counts_what_is_alive_when_the_most_is_allocated():
+    """`tools/gpu_peak.py` replays the allocator's history: a block counts from its alloc
+    to its free_completed, and the groups are those alive at the highest total."""
+    import gpu_peak
+
+    def frames(*names):
+        return [{"filename": f"/x/code/shardlab/{n}.py" if n.startswith("s:") else
+                 f"/v/site-packages/torch/{n}.py", "line": 1, "name": n} for n in names]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames("s:model")},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frames("functional", "s:loss")},
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": []},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 4, "size": 60, "frames": frames("s:model")}]
+    peak, groups = gpu_peak.live_at_peak(trace)
+    assert peak == 180  # 100 + 50 + 30: block 1 still taken until its free completed
+    assert sum(groups.values()) == 180 and len(groups) == 3
+    assert any(k.startswith("shardlab/s:loss.py") and "torch/functional.py" in k for k in groups)
+    result = subprocess.run([sys.executable, "tools/gpu_peak.py", "--out", "/dev/null"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if not torch.cuda.is_available():
+        assert result.returncode == 2 and "no CUDA GPU" in result.stderr

@@ -28,7 +28,7 @@ LAYERS = {
         "memory", "memory.states", "memory.configs", "memory.activations", "memory.planner",
         "memory.allocator", "memory.dim0", "memory.accumulation",
         "comm", "comm.compat", "comm.records", "comm.ledger", "comm.ring", "comm.volumes",
-        "comm.flight", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
+        "comm.flight", "comm.full_tensor", "comm.hang_diagnosis", "comm.links", "comm.reduction_precision", "hangs",
         "clip", "optimizers", "buckets", "units", "trace",
         "muon", "muon.newton_schulz", "muon.split", "muon.places", "muon.designs",
         "muon.optimizer", "comm.whole_matrix", "memory.whole_matrix",

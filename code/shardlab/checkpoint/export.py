@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardlab.checkpoint.layout import barrier, pieces_of, rank_world
 from shardlab.checkpoint.store import load, save
+from shardlab.comm.full_tensor import full_tensor
 
 
 def export_full_state_dict(wrapped, path: str | os.PathLike) -> None:
@@ -115,6 +116,6 @@ def open_with_pytorch_fsdp2(folder: str, model: str, model_config: dict | None =
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(module, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    full = {n: p.full_tensor().detach().cpu() for n, p in module.named_parameters()}
+    full = {n: full_tensor(p).detach().cpu() for n, p in module.named_parameters()}
     steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
     return {"params": full, "adam_step": steps[0] if steps else 0.0}

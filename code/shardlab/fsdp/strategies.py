@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.comm.full_tensor import full_tensor
 from shardlab.comm.links import INTRA, label_link
 from shardlab.fsdp.api import (CPUOffloadPolicy, MixedPrecisionPolicy, check_reshard_size,
                                fully_shard, gather_full_parameters, model_state)
@@ -280,7 +281,7 @@ def torch_fully_shard_on(mesh, model: nn.Module, precision: Precision,
     def full_parameters():
         # cloned: over a shard dimension of one rank (HSDP with S = 1) full_tensor() is
         # the live local tensor itself, which the next step changes in place
-        return {name: p.full_tensor().detach().cpu().clone()
+        return {name: full_tensor(p).detach().cpu().clone()
                 for name, p in model.named_parameters()}
 
     return Wrapped(model, opt, no_sync=lambda: accumulating(
