@@ -115,6 +115,9 @@ def test_the_memory_experiment_puts_the_planner_beside_each_peak(dry_run):
     for run in result["runs"]:
         assert run["status"] == "ok" and len(run["peak_allocated"]) == exp.world
         assert run["predicted"]["total"] == exp.predicted(run["stage"], run["recompute"]).total
+        # what earlier runs left allocated: measured on CUDA only (the record's zeros there
+        # say each peak is its own run's)
+        assert run["allocated_before"] == [None] * exp.world
     oom = result["oom"]
     assert oom["predicted_largest"] == exp.predicted_largest_batch() and oom["attempts"]
     for attempt in oom["attempts"]:  # on a CPU, "fits" is the memory watch's verdict

@@ -182,3 +182,58 @@ def test_command_line_under_torchrun(tmp_path):
     assert done.stdout.count("torch-ddp on 2 rank(s)") == 1  # rank 0 prints, once
     ranks = json.loads(path.read_text())["ranks"]
     assert len(ranks) == 2 and ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def tensor_bytes_alive() -> int:
+    """The bytes of every tensor storage Python can still reach, after a collection."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            continue
+        try:
+            storage = obj.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a freed or storage-less wrapper
+            continue
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def what_each_run_leaves_behind(names: list[str]) -> dict[str, int]:
+    """Each strategy's run in these same ranks, one after another (as the GPU check, the
+    labs and `train_many` run them): the bytes of tensors alive after it beyond before it.
+    The first run loads what a process keeps on purpose (the corpus' tokens)."""
+    def one(name):
+        options = {"shard_group": 2} if card(name).collectives == HYBRID else (
+            {"node_size": 1} if card(name).collectives == ZEROPP else {})
+        train_worker(TrainConfig(strategy=name, world=2, model="gpt-tiny", steps=2,
+                                 batch_size=4, seq_len=16, precision="bf16-mixed",
+                                 record_ledger=False, measure_memory=False, options=options))
+
+    from shardlab.cards import HYBRID, ZEROPP, card
+
+    one("ddp")
+    left = {}
+    for name in names:
+        before = tensor_bytes_alive()
+        one(name)
+        left[name] = tensor_bytes_alive() - before
+    return left
+
+
+def test_no_run_leaves_its_model_behind_in_the_process():
+    """A parameter's hooks live in C++, out of the garbage collector's sight: a hook that
+    held its strategy kept the model, its buffers and the strategy alive after the run,
+    and on a GPU the next run's `max_memory_allocated` counted them (the GPU check's
+    memory runs read up to 2 GiB high). gpt-tiny's bf16 parameters alone are 241 kB."""
+    from shardlab.cards import CARDS, DEEPSPEED
+    from shardlab.launch import launch
+
+    names = [n for n, c in CARDS.items() if c.family != DEEPSPEED and n != "single"]
+    left = launch(what_each_run_leaves_behind, 2, names, timeout=300)[0]
+    assert {n: b for n, b in left.items() if b > 1024} == {}, left

@@ -122,6 +122,17 @@ def run_item(item: Item, timeout: float, dry_run: bool, log: Path) -> dict:
     return entry
 
 
+def head_commit() -> str | None:
+    """The checkout's commit, or None: a plain copy of the repository may have no .git,
+    a machine no git."""
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=False, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return git.stdout.strip() if git.returncode == 0 else None
+
+
 def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -142,7 +153,7 @@ def run_check(out: Path, budget: float, dry_run: bool, names: list[str],
             raise SystemExit(f"{out} holds a {'dry' if record.get('dry_run') else 'GPU'} "
                              f"run: give another --out to keep both")
         record.setdefault("reruns", []).append({"items": names, "started": now_utc(),
-                                                "command": command})
+                                                "command": command, "commit": head_commit()})
     else:
         log.write_text("")
         record = {"format": 1, "dry_run": dry_run, "command": command, "started": now_utc(),

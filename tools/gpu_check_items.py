@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ import torch
 from gpu_check_overlap import overlap, synchronize
 from gpu_check_runs import (MIN_LAUNCH_SECONDS, case_entry, launch_cases, now, options_for,
                             per_rank, placement)
-from gpu_check import run_command
+from gpu_check import head_commit, run_command
 from shardlab.cards import CARDS, DEEPSPEED, card
 from shardlab.config import TrainConfig
 from shardlab.deepspeed_ref.setup import deepspeed_missing
@@ -115,12 +114,7 @@ def env(sizes: Sizes, deadline: float, save: Save) -> dict:
             pass
     else:
         info["name"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    try:  # a plain copy of the repository may have no .git, a machine no git
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=False, timeout=10)
-        info["commit"] = git.stdout.strip() if git.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
+    info["commit"] = head_commit()
     return info
 
 

@@ -11,6 +11,7 @@ module by name: the launcher hands them the check's `sys.path`, which holds `too
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
@@ -67,9 +68,15 @@ def run_cases(cases: list, progress_dir: str, memory_fraction: float | None = No
     progress = Path(progress_dir) / f"rank{rank}.jsonl"
     for index, config in cases:
         _append(progress, {"case": index, "started": True})
+        before = None
         if device.type == "cuda":  # each case's peaks its own
+            gc.collect()  # what an earlier case left in reference cycles
             torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(device)
         summary = rank_summary(train_worker(config))
+        # bytes still allocated from earlier cases: the peak counts them too, so the record
+        # keeps them (0 when every earlier run freed what it made)
+        summary["allocated_before"] = before
         _append(progress, {"case": index, "summary": summary})
     return len(cases)
 
@@ -160,5 +167,6 @@ def case_entry(meta: dict, outcome: dict) -> dict:
                      collectives_per_step=ranks[0]["calls_per_step"],
                      state_bytes=[r["state_bytes"] for r in ranks],
                      peak_allocated=per_rank(ranks, "total"),
-                     peak_reserved=per_rank(ranks, "reserved"))
+                     peak_reserved=per_rank(ranks, "reserved"),
+                     allocated_before=[r.get("allocated_before") for r in ranks])
     return entry

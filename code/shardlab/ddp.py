@@ -47,7 +47,7 @@ from shardlab.launch.devices import rank_device
 from shardlab.models import build_model, get_batch, loss_fn
 from shardlab.optimizers import OptimizerSpec, build_optimizer
 from shardlab.precision import Precision
-from shardlab.strategy import Wrapped, cast_model, check_options, replicated
+from shardlab.strategy import Wrapped, cast_model, check_options, grad_ready_hook, replicated
 from shardlab.units import MiB
 
 
@@ -100,7 +100,7 @@ class _DataParallel(nn.Module):
         self.require_sync = True
         self._finish_queued = False
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(grad_ready_hook(self._on_grad_ready))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

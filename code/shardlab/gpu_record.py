@@ -198,6 +198,9 @@ def memory_run(experiment: MemoryExperiment, run: dict[str, Any],
         out["peak_reserved"] = [r["peak"]["reserved"] for r in ranks
                                 if "reserved" in r["peak"]] or None
         out["state_bytes"] = [r["state_bytes"] for r in ranks]
+        # CUDA bytes still allocated when the run began (earlier runs' leftovers, which
+        # its peak counts too): None on a CPU
+        out["allocated_before"] = [r.get("allocated_before") for r in ranks]
     return out
 
 

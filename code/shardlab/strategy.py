@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import weakref
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, ContextManager
 
@@ -298,6 +299,26 @@ def check_same_on_all_ranks(named: list[tuple[str, torch.Tensor]], group=None,
                              "build it identically on every rank (the same seed, e.g. "
                              "shardlab.models.build_model(name, seed)) before sharding it, "
                              "or broadcast rank 0's copy")))
+
+
+def grad_ready_hook(method: Callable[..., None], *args: int) -> Callable[[nn.Parameter], None]:
+    """A hook for `register_post_accumulate_grad_hook` that calls the bound `method` with
+    `args` (plain indices) and the parameter, holding `method`'s object weakly.
+
+    A parameter keeps its hooks on the C++ side, where Python's garbage collector cannot
+    follow them. A hook that held the strategy (which holds the model, which holds the
+    parameter) made a cycle the collector never frees: every run in a process left its
+    model, its buffers and its strategy behind, and on a GPU each later run's
+    `max_memory_allocated` counted their bytes (the GPU check's memory runs, one after
+    another in the same ranks, read up to 2 GiB too high). A strategy that is gone makes
+    its hooks do nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, param)
+    return hook
 
 
 def cast_model(model: nn.Module, precision: Precision) -> nn.Module:

@@ -14,7 +14,6 @@ and the all-gather are `ZeroOptimizer`'s.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 
 from shardlab import trace
 from shardlab.comm.compat import reduce_scatter_into
+from shardlab.strategy import grad_ready_hook
 from shardlab.zero.flat import FlatGroup
 from shardlab.zero.layout import Bucket, check_gradient_collective, in_backward_order
 
@@ -61,10 +61,10 @@ class BackwardReducer:
         self.in_backward = False
         self.to_free: list[nn.Parameter] = []
         self._reset()
-        for b in buckets:
+        self.hooked = buckets  # the hooks name a bucket by its place here
+        for k, b in enumerate(buckets):
             for i, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready,
-                                                                       b, i))
+                p.register_post_accumulate_grad_hook(grad_ready_hook(self._on_grad_ready, k, i))
 
     def averaged_chunks(self, gi: int) -> list[torch.Tensor]:
         """My chunk of each bucket of group `gi` (in the group's order), its gradients
@@ -102,7 +102,8 @@ class BackwardReducer:
         self.buffers.clear()
 
     @torch.no_grad()
-    def _on_grad_ready(self, b: Bucket, i: int, p: nn.Parameter) -> None:
+    def _on_grad_ready(self, k: int, i: int, p: nn.Parameter) -> None:
+        b = self.hooked[k]
         if not self.in_backward:
             # Once per backward, after its last hook: reduce what is left (parameters that
             # took no part in this step count as zero gradients) and reset the buckets.
