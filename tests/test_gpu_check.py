@@ -264,6 +264,45 @@ def test_the_readme_states_the_command_the_budget_and_every_item_as_the_check_ru
         assert f"`{ours}`" in readme and f"`{theirs}`" in readme
 
 
+def test_the_readme_states_what_the_committed_record_holds():
+    record = gpu_record.gpu_record()
+    if record is None:
+        pytest.skip(gpu_record.NO_RECORD)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    device = record.data["device"]
+    assert (f"ran on one {device['name']} on {record.date} (torch {device['torch']}, "
+            f"CUDA {device['cuda']}, NCCL {device['nccl']})") in readme
+    cases = record.item("strategies")["cases"]
+    ok = sum(c["status"] == "ok" for c in cases)
+    assert f"Every strategy case ran: {ok} of {len(cases)}" in readme and ok == len(cases)
+    assert len(record.item("strategies")["not_run"]) == 3 and "its three" in readme
+    counts = record.item("pytest_cuda")["counts"]
+    assert counts == {"passed": 6} and "`pytest -m cuda`: 6 passed" in readme
+    matmul = record.item("matmul")
+    assert (f"bf16 matmul ran at {matmul['gemms'][0]['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+            f"{matmul['bf16_share_of_peak']:.0%} of the datasheet") in readme
+    runs = record.item("memory")["runs"]
+    done = [r for r in runs if r["status"] == "ok"]
+    ratios = [max(r["peak_allocated"]) / r["predicted"]["total"] for r in done]
+    assert f"finished {len(done)} of {len(runs)} runs" in readme
+    assert f"{min(ratios):.2f}–{max(ratios):.2f} × the planner's total" in readme
+
+
+def test_the_committed_peak_replay_splits_into_the_planners_terms():
+    """Chapter 8's table of what is alive at the peak: its parts add up to the replayed
+    peak, which is the run's own `max_memory_allocated`, and the model states are the
+    run's own count."""
+    record = gpu_record.peak_record()
+    if record is None:
+        pytest.skip(gpu_record.NO_PEAK)
+    for run in record["runs"]:
+        parts = gpu_record.peak_parts(run)
+        assert parts.states == sum(run["state_bytes"].values())
+        assert min(parts.activations, parts.loss, parts.backward) > 0
+        assert 0 <= parts.rest < 0.02 * parts.peak, parts
+        assert abs(parts.peak / run["last_step_peak"]["total"] - 1) < 0.05
+
+
 def test_the_peak_replay_counts_what_is_alive_when_the_most_is_allocated():
     """`tools/gpu_peak.py` replays the allocator's history: a block counts from its alloc
     to its free_completed, and the groups are those alive at the highest total."""

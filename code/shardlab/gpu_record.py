@@ -12,7 +12,9 @@ it: the check records it, chapter 8 shows the record or runs it live on a GPU, a
 check's dry run on a CPU runs it small. `MemoryExperiment.runs()` are the runs,
 `memory_run` turns each one's rank summaries (`rank_summary`) into what the record holds
 (each peak beside the planner's prediction, `shardlab.memory.plan`), and `memory_rows`
-into a table. The other `*_rows` build the tables of chapter 9's GPU section.
+into a table. `peak_parts` reads `tools/gpu_peak.py`'s replay of the allocator at the
+peak (`shardlab/data/gpu-peak.json`) in the planner's terms. The other `*_rows` build the
+tables of chapter 9's GPU section.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from shardlab.units import MiB
 
 RECORD_PATH = Path(__file__).parent / "data" / "gpu-check.json"
 NO_RECORD = "no GPU run recorded yet: run tools/gpu_check.py on a GPU"
+PEAK_PATH = Path(__file__).parent / "data" / "gpu-peak.json"
+NO_PEAK = "no replay of a GPU's peak recorded yet: run tools/gpu_peak.py on a GPU"
+# `tools/gpu_peak.py`'s name for the blocks allocated with no Python frame on the stack
+NO_FRAME = "(no Python frame: made by the C++ side)"
 
 
 # ----------------------------------------------------------------------------- the record
@@ -309,6 +315,46 @@ def ratio_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             "range over repetitions"], rows
 
 
-__all__ = ["RECORD_PATH", "NO_RECORD", "GpuRecord", "load_record", "gpu_record",
+# ----------------------------------------------------------------------------- the peak
+
+
+def peak_record(path: str | Path | None = None) -> dict[str, Any] | None:
+    """`tools/gpu_peak.py`'s record (the committed one by default), or None."""
+    path = Path(path) if path is not None else PEAK_PATH
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class PeakParts:
+    """The bytes alive at one run's peak, in the planner's terms. `states`: the model
+    states the run itself counted; `activations`: blocks the model's forward made (its
+    lines in `shardlab/models.py`) but the loss; `loss`: cross-entropy's fp32
+    log-probabilities; `backward`: blocks allocated with no Python frame on the stack,
+    which on a GPU is the autograd engine's own thread running backward
+    (`torch/csrc/autograd/engine.cpp` gives each device a thread); `rest`: the peak less
+    all of these (the cuBLAS workspace, the batch)."""
+
+    peak: int
+    states: int
+    activations: int
+    loss: int
+    backward: int
+
+    @property
+    def rest(self) -> int:
+        return self.peak - self.states - self.activations - self.loss - self.backward
+
+
+def peak_parts(run: dict[str, Any]) -> PeakParts:
+    """One run of the peak record, in the planner's terms (`PeakParts`)."""
+    groups = run["groups"]
+    loss = sum(v for k, v in groups.items() if "cross_entropy" in k)
+    forward = sum(v for k, v in groups.items()
+                  if k.startswith("shardlab/models.py") and "cross_entropy" not in k)
+    return PeakParts(run["replayed_peak"], sum(run["state_bytes"].values()), forward, loss,
+                     groups.get(NO_FRAME, 0))
+
+
+__all__ = ["RECORD_PATH", "PEAK_PATH", "NO_PEAK", "peak_record", "PeakParts", "peak_parts", "NO_RECORD", "GpuRecord", "load_record", "gpu_record",
            "rank_summary", "GPT2_SMALL_SHAPES", "MemoryExperiment", "memory_run",
            "memory_rows", "oom_summary", "datasheet_bf16_peak", "matmul_rows", "overlap_rows", "ratio_rows"]
