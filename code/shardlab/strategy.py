@@ -306,14 +306,13 @@ def grad_ready_hook(method: Callable[..., None], *args: int) -> Callable[[nn.Par
     `args` (plain indices) and the parameter, holding `method`'s object weakly.
 
     A hook that held the strategy (which holds the model, which holds the parameter) made
-    a cycle through the parameter's hook that Python's garbage collector did not free
-    (`tests/test_train.py` runs every strategy one after another and counts the tensors
-    each leaves alive; the parameter's autograd node is C++'s, out of the collector's
-    sight). Each run of DDP or ZeRO-2 left its
-    model, its buffers and its strategy behind, and on a GPU every later run's
-    `max_memory_allocated` counted their bytes (in the GPU check's memory runs, one after
-    another in the same ranks, ZeRO-3's peak read 3.95 GiB, and 2.20 with nothing left). A
-    strategy that is gone makes its hooks do nothing."""
+    a cycle through the parameter's hook that Python's garbage collector did not free:
+    each run of DDP or ZeRO-2 left its model, its buffers and its strategy behind, and on
+    a GPU every later run's `max_memory_allocated` counted their bytes (in the GPU check's
+    memory runs, one after another in the same ranks, ZeRO-3's peak read 3.95 GiB, and
+    2.20 with nothing left). `tests/test_train.py` runs every strategy one after another
+    and counts the tensors each leaves alive. A strategy that is gone makes its hooks do
+    nothing."""
     ref = weakref.WeakMethod(method)
 
     def hook(param: nn.Parameter) -> None:
