@@ -61,8 +61,7 @@ class BackwardReducer:
         self.in_backward = False
         self.to_free: list[nn.Parameter] = []
         self._reset()
-        self.hooked = buckets  # the hooks name a bucket by its place here
-        for k, b in enumerate(buckets):
+        for k, b in enumerate(self.in_backward_order):  # a hook names its bucket by k
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(grad_ready_hook(self._on_grad_ready, k, i))
 
@@ -103,7 +102,7 @@ class BackwardReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, k: int, i: int, p: nn.Parameter) -> None:
-        b = self.hooked[k]
+        b = self.in_backward_order[k]
         if not self.in_backward:
             # Once per backward, after its last hook: reduce what is left (parameters that
             # took no part in this step count as zero gradients) and reset the buckets.
