@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardlab import gpu_record
+from shardlab.cards import required_options
 from shardlab.config import TrainConfig
 from shardlab.memory import get_model
 from shardlab.models import build_model
@@ -28,7 +29,6 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import gpu_check  # noqa: E402
 import gpu_check_items  # noqa: E402
-import gpu_check_runs  # noqa: E402
 
 DRY = gpu_check_items.DRY
 
@@ -185,7 +185,7 @@ def test_the_memory_experiment_is_gpt2_small_as_the_planner_counts_it():
 
 def test_every_strategy_the_gpu_runs_is_configured_as_it_accepts():
     """The dry run trains two strategies; the GPU trains every one of the registry, each
-    with the options `options_for` gives it. Each such config must pass the checks made
+    with the options `cards.required_options` gives it. Each such config must pass the checks made
     before any rank starts, or the GPU run records a refusal where it should record a
     run (the first GPU run gave ZeRO++ HSDP's `shard_group`)."""
     names, _ = gpu_check_items.strategy_names(gpu_check_items.GPU)
@@ -195,7 +195,7 @@ def test_every_strategy_the_gpu_runs_is_configured_as_it_accepts():
             if name == "single" and world > 1:
                 continue
             config = TrainConfig(strategy=name, world=world, model=gpu_check_items.GPU.model,
-                                 options=gpu_check_runs.options_for(name, world))
+                                 options=required_options(name, world))
             config.validate()  # raises ValueError, as launch_cases records it
 
 

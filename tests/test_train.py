@@ -208,14 +208,13 @@ def what_each_run_leaves_behind(names: list[str]) -> dict[str, int]:
     """Each strategy's run in these same ranks, one after another (as the GPU check, the
     labs and `train_many` run them): the bytes of tensors alive after it beyond before it.
     The first run loads what a process keeps on purpose (the corpus' tokens)."""
+    from shardlab.cards import required_options
+
     def one(name):
-        options = {"shard_group": 2} if card(name).collectives == HYBRID else (
-            {"node_size": 1} if card(name).collectives == ZEROPP else {})
         train_worker(TrainConfig(strategy=name, world=2, model="gpt-tiny", steps=2,
                                  batch_size=4, seq_len=16, precision="bf16-mixed",
-                                 record_ledger=False, measure_memory=False, options=options))
-
-    from shardlab.cards import HYBRID, ZEROPP, card
+                                 record_ledger=False, measure_memory=False,
+                                 options=required_options(name, 2)))
 
     one("ddp")
     left = {}

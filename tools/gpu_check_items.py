@@ -29,10 +29,10 @@ from typing import Any, Callable
 import torch
 
 from gpu_check_overlap import overlap, synchronize
-from gpu_check_runs import (MIN_LAUNCH_SECONDS, case_entry, launch_cases, now, options_for,
+from gpu_check_runs import (MIN_LAUNCH_SECONDS, case_entry, launch_cases, now,
                             per_rank, placement)
 from gpu_check import head_commit, run_command
-from shardlab.cards import CARDS, DEEPSPEED, card
+from shardlab.cards import CARDS, DEEPSPEED, card, required_options
 from shardlab.config import TrainConfig
 from shardlab.deepspeed_ref.setup import deepspeed_missing
 from shardlab.gpu_record import MemoryExperiment, datasheet_bf16_peak, memory_run
@@ -176,7 +176,7 @@ def strategies(sizes: Sizes, deadline: float, save: Save) -> dict:
                    "precision": p},
                   TrainConfig(strategy=s, world=world, model=sizes.model, precision=p,
                               steps=sizes.steps, batch_size=sizes.batch_size,
-                              seq_len=sizes.seq_len, options=options_for(s, world)))
+                              seq_len=sizes.seq_len, options=required_options(s, world)))
                  for s in names if not (s == "single" and world > 1)
                  for p in sizes.precisions]
         if sizes.rehearse_failure and world > 1:  # one rank raises: the rest must go on
@@ -340,7 +340,7 @@ def step_ratios(sizes: Sizes, deadline: float, save: Save) -> dict:
         configs = [TrainConfig(strategy=s, world=world, model=sizes.model,
                                precision="bf16-mixed", steps=sizes.ratio_steps,
                                batch_size=sizes.batch_size, seq_len=sizes.seq_len,
-                               options=options_for(s, world), measure_memory=False,
+                               options=required_options(s, world), measure_memory=False,
                                record_ledger=False) for s in runs]
         outcomes = launch_cases(configs, world, sizes.device, share(part))
         times: dict[str, list[float | None]] = {s: [] for s in order}

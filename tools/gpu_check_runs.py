@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardlab.cards import HYBRID, ZEROPP, card
 from shardlab.config import TrainConfig
 from shardlab.gpu_record import rank_summary
 from shardlab.launch import RankFailed, launch, rank_device
@@ -36,15 +35,6 @@ def now() -> float:
 def placement(world: int, device: str) -> str:
     """World 1 on a GPU runs under NCCL; more ranks share the one GPU over gloo."""
     return "nccl" if device == "cuda" and world == 1 else "gloo"
-
-
-def options_for(strategy: str, world: int) -> dict:
-    """The options a strategy cannot run without, for `world` ranks on one machine: HSDP's
-    shard group and ZeRO++'s node, each of 2 ranks (1 on an odd world). Every other
-    strategy runs on its defaults."""
-    pair = 2 if world % 2 == 0 else 1
-    needs = {HYBRID: "shard_group", ZEROPP: "node_size"}.get(card(strategy).collectives)
-    return {needs: pair} if needs else {}
 
 
 def _append(path: Path, entry: dict) -> None:

@@ -266,3 +266,12 @@ def names(**fields: Any) -> list[str]:
     `names(takes_units=True)`, `names(family=OURS)`."""
     return [c.name for c in CARDS.values()
             if all(getattr(c, key) == value for key, value in fields.items())]
+
+
+def required_options(name: str, world: int) -> dict[str, int]:
+    """The options strategy `name` cannot run without on `world` ranks of one machine,
+    at their smallest sensible value: hybrid sharding's shard group and ZeRO++'s node,
+    each of 2 ranks (1 on an odd world). Every other strategy runs on its defaults. What
+    runs every strategy in turn (the GPU check, the tests) asks here."""
+    needs = {HYBRID: "shard_group", ZEROPP: "node_size"}.get(card(name).collectives)
+    return {needs: 2 if world % 2 == 0 else 1} if needs else {}
