@@ -23,7 +23,7 @@ per step as the kernel counts them (/proc/self/io: the same count for both libra
 I/O), its peak resident memory during the steps above what it held before building the
 model (VmHWM), and the largest difference of its losses from zero3's in memory. Before
 the runs, the disk's read and write bandwidth is measured on both ranks at once, and the
-disk tier's step is predicted from it (`shardlab.infinity.step_seconds`).
+disk tier's step is predicted from it (`shardlab.infinity_costs.step_seconds`).
 
 Timings on a shared CPU machine vary: compare the ratios of one invocation.
 """
@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from shardlab.deepspeed_ref.setup import deepspeed_missing
-from shardlab.infinity import disk_traffic, step_seconds
+from shardlab.infinity_costs import disk_traffic, step_seconds
 from shardlab.infinity_runs import disk_runs
 from shardlab.launch import launch
 from shardlab.optimizers import optimizer_spec

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from shardlab.disk_tier import DiskFolder, DiskTierError, aligned_buffer
-from shardlab.infinity import (DEFAULTS, DiskOptions, bytes_per_element, disk_traffic,
-                               resident_states, state_names)
+from shardlab.infinity import DEFAULTS, DiskOptions, state_names
+from shardlab.infinity_costs import bytes_per_element, disk_traffic, resident_states
 from shardlab.infinity_runs import disk_runs
 from shardlab.launch import launch
 from shardlab.launch.errors import RankFailed
