@@ -9,6 +9,7 @@ running back up; a test checks that it imports nothing.
 """
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -44,7 +45,7 @@ LAYERS = {
         "many_ranks.meshes",
         "zeropp", "zeropp.quantize", "zeropp.collectives", "zeropp.strategy",
         "zeropp.probe"},
-    4: {"viz", "report", "gpu_record", "muon_costs",
+    4: {"viz", "report", "gpu_record", "muon_costs", "infinity_costs",
         "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
         "diagrams.step_memory", "diagrams.timelines",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",
@@ -169,3 +170,39 @@ def test_the_checker_sees_submodules(tmp_path, monkeypatch):
     assert graph() == {"p": {"p.x"}, "p.x": {"p.y"}, "p.y": {"p.x"}}
     with pytest.raises(AssertionError, match=r"import cycle: p -> p\.x -> p\.y -> p\.x"):
         test_the_import_graph_has_no_cycle()
+
+
+def readme_module_map(text: str) -> dict[str, int]:
+    """The README's module map: each module its rows name (a row may name several,
+    `train`, `cli`, `__main__`), with the layer of the section it sits in."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| **1. ground**"))
+    layer, rows = 0, {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        first = line.split("|")[1].strip()
+        if heading := re.match(r"\*\*(\d)\.", first):
+            layer = int(heading.group(1))
+            continue
+        for name in re.findall(r"`([^`]+)`", first):
+            assert name not in rows, f"the README's module map names {name} twice"
+            rows[name] = layer
+    return rows
+
+
+def test_the_readme_module_map_lists_every_module_in_its_layer():
+    """A reader finds every module in the README's map, under the layer it is checked in
+    here: a module added without a row, or moved to another layer, fails."""
+    rows = readme_module_map((PACKAGE.parents[1] / "README.md").read_text())
+    layer_of = {name: layer for layer, names in LAYERS.items() for name in names}
+    assert sorted(set(layer_of) - set(rows)) == [], "modules without a row in the README"
+    assert sorted(set(rows) - set(layer_of)) == [], "rows of modules that do not exist"
+    assert {n: (rows[n], layer_of[n]) for n in rows if rows[n] != layer_of[n]} == {}, \
+        "rows under another layer than the module's (README layer, checked layer)"
+
+
+def test_the_module_map_reader_sees_a_missing_row():
+    table = ("| module | what it holds |\n|---|---|\n| **1. ground**: x | |\n| `a` | a |\n"
+             "| **2. contract**: y | |\n| `b`, `c` | b and c |\n")
+    assert readme_module_map(table) == {"a": 1, "b": 2, "c": 2}
