@@ -21,6 +21,12 @@ the next may reuse, which is why the order rotates. Both sides of a pair train o
 batches, so their losses agree to float rounding; the table prints the largest difference
 as the check that the two did the same work. The first `--warmup` rounds are left out. No
 memory tracking and no ledger: `bench_strategies.py` measures those.
+
+Each step's CPU time is recorded too: the CPU seconds the step took in every rank's process
+(`time.process_time`, gloo's threads included), summed over the ranks: the work a step
+costs the machine. Where the ranks share fewer cores than there are ranks, the cores are
+busy throughout a step and its wall time is about this sum over the cores; a ratio of CPU
+times below 1 says ours did less work, whichever of the two finished first.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def same_ranks_worker(configs: dict[str, TrainConfig], rounds: int
     wrapped = {name: build_and_wrap(config, world, device)[0]
                for name, config in configs.items()}
     seconds: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
     losses: dict[str, list[float]] = {name: [] for name in configs}
     for round_ in range(rounds):
         for name in turn_order(list(configs), round_):
@@ -70,40 +77,53 @@ def same_ranks_worker(configs: dict[str, TrainConfig], rounds: int
             batches = MicroBatches(config, round_, rank, world, device)  # read in the step
             scaled = loss_of(config, round_, world)
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = train_step(wrapped[name], batches, scaled)
             if device.type == "cuda":  # the step is over when the GPU's queue is
                 torch.cuda.synchronize(device)
             seconds[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
             losses[name].append(float(loss))
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, seconds)
+    dist.all_gather_object(everyone, (seconds, cpu))
     if rank:
         return None
-    slowest = {name: [max(r[name][i] for r in everyone) for i in range(rounds)]
-               for name in configs}
-    return {name: {"seconds": slowest[name], "losses": losses[name]} for name in configs}
+    return {name: {"seconds": [max(s[name][i] for s, _ in everyone) for i in range(rounds)],
+                   "cpu_seconds": [sum(c[name][i] for _, c in everyone)
+                                   for i in range(rounds)],
+                   "losses": losses[name]}
+            for name in configs}
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """The median of the rounds' ratios ours / theirs, with its quartiles: (q1, median, q3)."""
+    return statistics.quantiles([a / b for a, b in zip(ours, theirs)], n=4)
 
 
 def rows_of(measured: dict[str, dict[str, list[float]]], references: dict[str, str | None],
             warmup: int) -> dict[str, dict]:
-    """One world's table (ms to 0.1, ratios to 0.01): each strategy's median step over the
-    rounds after `warmup`; against its reference, the median of the rounds' ratios with
-    their quartiles, and the largest difference of rank 0's losses over all rounds."""
+    """One world's table (ms to 0.1, ratios to 0.01): each strategy's median step and median
+    CPU time (all ranks) over the rounds after `warmup`; against its reference, the median
+    of the rounds' ratios of each with their quartiles, and the largest difference of rank
+    0's losses over all rounds."""
     rows = {}
     for name, got in measured.items():
-        timed = got["seconds"][warmup:]
+        timed, cpu = got["seconds"][warmup:], got["cpu_seconds"][warmup:]
         ref = references.get(name)
         row = {"step_ms": round(1e3 * statistics.median(timed), 1),
+               "cpu_ms": round(1e3 * statistics.median(cpu), 1),
                "reference": ref if ref in measured else None,
-               "ratio": None, "ratio_q1": None, "ratio_q3": None, "loss_diff": None}
+               "ratio": None, "ratio_q1": None, "ratio_q3": None,
+               "cpu_ratio": None, "cpu_ratio_q1": None, "cpu_ratio_q3": None,
+               "loss_diff": None}
         if row["reference"]:
             theirs = measured[ref]
-            pairs = [a / b for a, b in zip(timed, theirs["seconds"][warmup:])]
-            q1, median, q3 = statistics.quantiles(pairs, n=4)
+            q1, median, q3 = median_ratio(timed, theirs["seconds"][warmup:])
+            c1, cpu_median, c3 = median_ratio(cpu, theirs["cpu_seconds"][warmup:])
             apart = max(abs(a - b) for a, b in zip(got["losses"], theirs["losses"]))
             row.update(ratio=round(median, 2), ratio_q1=round(q1, 2), ratio_q3=round(q3, 2),
-                       loss_diff=float(f"{apart:.1e}"))
+                       cpu_ratio=round(cpu_median, 2), cpu_ratio_q1=round(c1, 2),
+                       cpu_ratio_q3=round(c3, 2), loss_diff=float(f"{apart:.1e}"))
         rows[name] = row
     return rows
 
@@ -111,17 +131,21 @@ def rows_of(measured: dict[str, dict[str, list[float]]], references: dict[str, s
 def print_table(title: str, rows: dict[str, dict]) -> None:
     print(f"\n{title}")
     head = (f"{'strategy':<16} {'step ms':>8} {'reference':>16} {'ratio':>6} "
-            f"{'quartiles':>10} {'largest loss difference':>24}")
+            f"{'quartiles':>10} {'CPU ms':>8} {'ratio':>6} {'quartiles':>10} "
+            f"{'largest loss difference':>24}")
     print(head)
     print("-" * len(head))
     for name, r in rows.items():
         if r["reference"] is None:
-            ratio = quartiles = loss_diff = "-"
+            ratio = quartiles = cpu_ratio = cpu_quartiles = loss_diff = "-"
         else:
             ratio, loss_diff = f"{r['ratio']:.2f}", f"{r['loss_diff']:.1e}"
             quartiles = f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"
+            cpu_ratio = f"{r['cpu_ratio']:.2f}"
+            cpu_quartiles = f"{r['cpu_ratio_q1']:.2f}-{r['cpu_ratio_q3']:.2f}"
         print(f"{name:<16} {r['step_ms']:>8.1f} {r['reference'] or '-':>16} {ratio:>6} "
-              f"{quartiles:>10} {loss_diff:>24}")
+              f"{quartiles:>10} {r['cpu_ms']:>8.1f} {cpu_ratio:>6} {cpu_quartiles:>10} "
+              f"{loss_diff:>24}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,18 @@ def test_every_strategy_goes_first_and_follows_each_other_alike(bench, count):
 
 
 def test_a_ratio_is_the_median_of_the_rounds_ratios_after_the_warmup(bench):
-    ours = {"seconds": [9.0, 1.0, 2.0, 3.0, 4.0, 5.0], "losses": [1.0] * 6}
-    theirs = {"seconds": [1.0, 2.0, 2.0, 2.0, 2.0, 2.0], "losses": [1.0] * 5 + [1.25]}
+    ours = {"seconds": [9.0, 1.0, 2.0, 3.0, 4.0, 5.0], "losses": [1.0] * 6,
+            "cpu_seconds": [9.0, 4.0, 4.0, 1.0, 4.0, 4.0]}
+    theirs = {"seconds": [1.0, 2.0, 2.0, 2.0, 2.0, 2.0], "losses": [1.0] * 5 + [1.25],
+              "cpu_seconds": [1.0, 5.0, 4.0, 4.0, 5.0, 8.0]}
     rows = bench.rows_of({"ddp": ours, "torch-ddp": theirs}, {"ddp": "torch-ddp"}, warmup=1)
     # rounds 2-6: ratios 0.5, 1, 1.5, 2, 2.5 (the warm-up round's 9.0 left out)
     assert rows["ddp"]["ratio"] == 1.5 and rows["ddp"]["step_ms"] == 3000.0
     assert rows["ddp"]["ratio_q1"] < 1.5 < rows["ddp"]["ratio_q3"]
+    # CPU time, summed over the ranks: rounds 2-6 give ratios 0.8, 1, 0.25, 0.8, 0.5
+    assert rows["ddp"]["cpu_ratio"] == 0.8 and rows["ddp"]["cpu_ms"] == 4000.0
+    assert rows["torch-ddp"]["cpu_ms"] == 5000.0
+    assert rows["ddp"]["cpu_ratio_q1"] < 0.8 <= rows["ddp"]["cpu_ratio_q3"]
     assert rows["ddp"]["loss_diff"] == 0.25
     assert rows["torch-ddp"]["reference"] is None and rows["torch-ddp"]["ratio"] is None
 

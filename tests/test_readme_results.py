@@ -106,15 +106,25 @@ def test_the_tables_in_the_same_ranks(against):
     whose = "PyTorch's" if against == "pytorch" else "DeepSpeed's"
     rows = table_rows(f"| ours | {whose} | ranks | buckets | step: ours / theirs |")
     assert {(strategy(r[0]), r[2], r[3]) for r in rows} == set(expected)
-    for ours_cell, theirs_cell, ranks, buckets, step, ratio, loss_diff in rows:
+    for ours_cell, theirs_cell, ranks, buckets, step, ratio, cpu, cpu_ratio, loss_diff in rows:
         row = expected[strategy(ours_cell), ranks, buckets]
         assert row["reference"] == strategy(theirs_cell)
         assert step == f"{row['step_ms']:.1f} / {row['theirs']['step_ms']:.1f} ms"
         assert ratio == f"**{row['ratio']:.2f}** ({row['ratio_q1']:.2f}–{row['ratio_q3']:.2f})"
+        assert cpu == f"{row['cpu_ms']:.1f} / {row['theirs']['cpu_ms']:.1f} ms"
+        assert cpu_ratio == (f"**{row['cpu_ratio']:.2f}** ({row['cpu_ratio_q1']:.2f}–"
+                             f"{row['cpu_ratio_q3']:.2f})")
         assert loss_diff == f"{row['loss_diff']:.1e}"
     assert all(row["loss_diff"] == 0 for (_, ranks, _), row in expected.items() if ranks == "2")
     if against == "deepspeed":  # "every row is below 1 and so is every upper quartile"
         assert all(r["ratio"] < 1 and r["ratio_q3"] < 1 for r in expected.values())
+        # "In CPU time every row is below 1 too", and the closest named
+        assert all(r["cpu_ratio"] < 1 for r in expected.values())
+        closest = max(expected.items(), key=lambda kv: kv[1]["cpu_ratio"])
+        (name, ranks, buckets), row = closest
+        assert (f"`{name}` on {ranks} ranks with {buckets.replace(' elements', '-element')} "
+                f"buckets the closest ({row['cpu_ratio']:.2f}, quartiles "
+                f"{row['cpu_ratio_q1']:.2f}–{row['cpu_ratio_q3']:.2f})") in FLAT
         zero2 = [f"{expected['zero2', w, '2²⁰ elements']['ratio']:.2f}" for w in ("2", "4")]
         assert "`zero2` is at {} and {} on 2 and 4 ranks with 2²⁰-element buckets".format(
             *zero2) in FLAT
@@ -126,6 +136,9 @@ def test_the_tables_in_the_same_ranks(against):
     sharded = [r for rows in (expected, launches) for (name, _, _), r in rows.items()
                if name != "ddp"]
     assert ("every sharded row below 1 in both" in FLAT) == all(r["ratio"] < 1 for r in sharded)
+    assert ("In CPU time every row here is below 1, `ddp`'s the closest" in FLAT) == (
+        all(r["cpu_ratio"] < 1 for r in expected.values())
+        and max(expected, key=lambda k: expected[k]["cpu_ratio"])[0] == "ddp")
     assert all(row["loss_diff"] < 1e-4 for row in expected.values())
 
 
@@ -152,6 +165,11 @@ def test_what_the_prose_says_of_ddp_against_torch_ddp():
     assert f"anywhere from {least:.2f} to {most:.2f}" in FLAT
     above = any(r["ratio"] > 1 for r in [*launches.values(), *same.values()])
     assert ("`ddp` is not reliably below `torch-ddp`" in FLAT) == above
+    # the work: CPU time in the same ranks, and "no more work ... in any row" only while true
+    cpu = [f"{same[w, b]['cpu_ratio']:.2f}" for b in (small, big) for w in ("2", "4")]
+    assert "and its CPU time at {} and {}, {} and {}".format(*cpu) in FLAT
+    assert ("no more work than PyTorch's DDP in any row" in FLAT) == all(
+        r["cpu_ratio"] <= 1 for r in same.values())
 
 
 def test_the_overlap_table_and_its_prose():
