@@ -33,7 +33,8 @@ from dataclasses import replace
 
 from shardlab.cards import CARDS
 from shardlab.config import TrainConfig
-from shardlab.report import ledger_totals, median_step_time, report_to_json
+from shardlab.report import ledger_totals, median_step_time
+from shardlab.report_output import report_to_json
 from shardlab.train import run
 
 AGAINST = ("pytorch", "deepspeed")

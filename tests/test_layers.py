@@ -45,7 +45,7 @@ LAYERS = {
         "many_ranks.meshes",
         "zeropp", "zeropp.quantize", "zeropp.collectives", "zeropp.strategy",
         "zeropp.probe"},
-    4: {"viz", "report", "gpu_record", "muon_costs", "infinity_costs",
+    4: {"viz", "report", "report_output", "gpu_record", "muon_costs", "infinity_costs",
         "diagrams", "diagrams.draw", "diagrams.ring", "diagrams.stages", "diagrams.layouts",
         "diagrams.step_memory", "diagrams.timelines",
         "checkpoint", "checkpoint.layout", "checkpoint.store", "checkpoint.export",

@@ -26,7 +26,8 @@ from shardlab import comm
 from shardlab.cli import main
 from shardlab.config import TrainConfig
 from shardlab.launch import launch
-from shardlab.report import (RunReport, production_metrics, step_metrics, summary_table)
+from shardlab.report import RunReport, production_metrics, step_metrics
+from shardlab.report_output import summary_table
 from shardlab.train import train_many, train_worker
 
 SLEEP = 0.25

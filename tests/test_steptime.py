@@ -280,7 +280,7 @@ def test_a_run_reports_mfu_and_profiles_one_step(tmp_path):
     import json
 
     from shardlab.config import TrainConfig
-    from shardlab.report import summary_table
+    from shardlab.report_output import summary_table
     from shardlab.train import run
     reports = run(TrainConfig(strategy="zero2", world=2, steps=3, measure_memory=False,
                               profile_dir=str(tmp_path / "traces")))

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node=4 -m shardlab train --strategy fsdp2
 
 It builds a `shardlab.config.TrainConfig` from the arguments, runs it on `--world` ranks
-(or under torchrun), and prints the ranks' summary table (`shardlab.report`) with a legend
+(or under torchrun), and prints the ranks' summary table (`shardlab.report_output`) with a legend
 of its columns, where the run's files went, optionally writing the whole report as JSON.
 
 The arguments are read, and a misspelt one refused in one line naming the nearest choice,
@@ -261,7 +261,8 @@ def _main(args) -> int:
 
 def _print_report(config, args, reports) -> None:
     from shardlab import checkpoint
-    from shardlab.report import TABLE_LEGEND, report_to_json, summary_table, whereabouts_lines
+    from shardlab.report_output import (TABLE_LEGEND, report_to_json, summary_table,
+                                        whereabouts_lines)
     first = reports[0]
     if first.resumed_from:
         saved = checkpoint.info(first.resumed_from).get("world") \
