@@ -24,9 +24,9 @@ memory tracking and no ledger: `bench_strategies.py` measures those.
 
 Each step's CPU time is recorded too: the CPU seconds the step took in every rank's process
 (`time.process_time`, gloo's threads included), summed over the ranks: the work a step
-costs the machine. Where the ranks share fewer cores than there are ranks, the cores are
-busy throughout a step and its wall time is about this sum over the cores; a ratio of CPU
-times below 1 says ours did less work, whichever of the two finished first.
+costs the machine. Where the ranks are at least as many as the cores, the cores are busy
+for most of a step, and its wall time is not much more than this sum over the cores; a
+ratio of CPU times below 1 says ours did less work, whichever of the two finished first.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def same_ranks_worker(configs: dict[str, TrainConfig], rounds: int
             for name in configs}
 
 
-def median_ratio(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """The median of the rounds' ratios ours / theirs, with its quartiles: (q1, median, q3)."""
+def ratio_quartiles(ours: list[float], theirs: list[float]) -> list[float]:
+    """The rounds' ratios ours / theirs, paired round by round: [q1, median, q3]."""
     return statistics.quantiles([a / b for a, b in zip(ours, theirs)], n=4)
 
 
@@ -118,8 +118,8 @@ def rows_of(measured: dict[str, dict[str, list[float]]], references: dict[str, s
                "loss_diff": None}
         if row["reference"]:
             theirs = measured[ref]
-            q1, median, q3 = median_ratio(timed, theirs["seconds"][warmup:])
-            c1, cpu_median, c3 = median_ratio(cpu, theirs["cpu_seconds"][warmup:])
+            q1, median, q3 = ratio_quartiles(timed, theirs["seconds"][warmup:])
+            c1, cpu_median, c3 = ratio_quartiles(cpu, theirs["cpu_seconds"][warmup:])
             apart = max(abs(a - b) for a, b in zip(got["losses"], theirs["losses"]))
             row.update(ratio=round(median, 2), ratio_q1=round(q1, 2), ratio_q3=round(q3, 2),
                        cpu_ratio=round(cpu_median, 2), cpu_ratio_q1=round(c1, 2),
