@@ -23,7 +23,9 @@ as the check that the two did the same work. The first `--warmup` rounds are lef
 memory tracking and no ledger: `bench_strategies.py` measures those.
 
 Each step's CPU time is recorded too: the CPU seconds the step took in every rank's process
-(`time.process_time`, gloo's threads included), summed over the ranks: the work a step
+(`time.process_time`, gloo's threads included: ProcessGroupGloo runs its collectives on
+worker threads of the rank's own process, `threads_` and `runLoop` in
+torch/csrc/distributed/c10d/ProcessGroupGloo.hpp), summed over the ranks: the work a step
 costs the machine. Where the ranks are at least as many as the cores, the cores are busy
 for most of a step, and its wall time is not much more than this sum over the cores; a
 ratio of CPU times below 1 says ours did less work, whichever of the two finished first.
