@@ -202,7 +202,9 @@ def test_the_readme_module_map_lists_every_module_in_its_layer():
         "rows under another layer than the module's (README layer, checked layer)"
 
 
-def test_the_module_map_reader_sees_a_missing_row():
+def test_the_module_map_reader_reads_each_row_under_its_layer():
+    """The reader the check above relies on: a row under the heading before it, and a row
+    that names several modules gives each of them."""
     table = ("| module | what it holds |\n|---|---|\n| **1. ground**: x | |\n| `a` | a |\n"
              "| **2. contract**: y | |\n| `b`, `c` | b and c |\n")
     assert readme_module_map(table) == {"a": 1, "b": 2, "c": 2}

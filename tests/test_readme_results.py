@@ -163,10 +163,10 @@ def test_what_the_prose_says_of_ddp_against_torch_ddp():
     least = min(r["ratio_min"] for r in launches.values())
     most = max(r["ratio_max"] for r in launches.values())
     assert f"anywhere from {least:.2f} to {most:.2f}" in FLAT
-    busy = [r["cpu_ms"] / results(name)["setup"]["cores"] / r["step_ms"]
-            for name in ("same-ranks-1m-buckets", "same-ranks-25m-buckets",
-                         "same-ranks-deepspeed-1m-buckets", "same-ranks-deepspeed-25m-buckets")
-            for table in results(name)["worlds"].values() for r in table["rows"].values()]
+    same_files = [results(f"{kind}-{suffix}") for kind in ("same-ranks", "same-ranks-deepspeed")
+                  for suffix in BUCKETS.values()]
+    busy = [r["cpu_ms"] / data["setup"]["cores"] / r["step_ms"] for data in same_files
+            for table in data["worlds"].values() for r in table["rows"].values()]
     assert (f"its CPU time over the cores is {100 * min(busy):.0f}–{100 * max(busy):.0f}% of its "
             f"wall time in every row of the same-ranks tables") in FLAT
     above = any(r["ratio"] > 1 for r in [*launches.values(), *same.values()])
